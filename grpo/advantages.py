@@ -1,0 +1,94 @@
+"""Group-relative advantages (GRPO, Dr. GRPO) for outcome rewards and for token-shaped returns.
+
+Conventions (DESIGN.md): std with Bessel's correction, eps = 1e-6, and a group whose returns are all equal
+gets exactly 0 -- zeroed explicitly, because float32 alone gives 0.056 for eight rewards of 0.7.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from grpo.checks import check_choice, check_floating, check_groups, check_ndim, check_same_shape
+
+SCALES = ("group", "batch", "none")
+
+
+def _flat_groups(grouped: Tensor) -> Tensor:
+    """[P, G] -> [P, 1] bool: True where every value of the group equals its first one exactly."""
+    return (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
+
+
+def _scale(grouped: Tensor, scale: str) -> Tensor:
+    """Per-group divisor (before eps) for [P, G] returns: group std, batch std, or 1 (Dr. GRPO)."""
+    if scale == "group":
+        return grouped.std(dim=1, keepdim=True)  # Bessel-corrected (n - 1)
+    if scale == "batch":
+        return grouped.std().expand(grouped.shape[0], 1)
+    return torch.ones_like(grouped[:, :1])
+
+
+def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", eps: float = 1e-6) -> Tensor:
+    """Centre each group's rewards on its mean and, for GRPO, divide by its std.
+
+    rewards: [B] float, the B = P * G rewards of P consecutive groups of G completions.
+    scale:   "group" (GRPO), "batch" (group mean, batch std), "none" (Dr. GRPO, mean baseline only).
+    Returns [B] float; a group whose rewards are all equal gets exactly 0.
+
+    >>> group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 4, scale="none")
+    tensor([ 0.2500, -0.7500,  0.2500,  0.2500])
+    >>> group_advantages(torch.full((8,), 0.7), 8)
+    tensor([0., 0., 0., 0., 0., 0., 0., 0.])
+    """
+    check_ndim(rewards, "rewards", 1)
+    check_floating(rewards, "rewards")
+    check_choice(scale, "scale", SCALES)
+    check_groups(rewards.shape[0], group_size)
+    grouped = rewards.view(-1, group_size)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    advantages = centred / (_scale(grouped, scale) + eps) if scale != "none" else centred
+    advantages = torch.where(_flat_groups(grouped), torch.zeros_like(advantages), advantages)
+    return advantages.reshape(-1)
+
+
+def shaped_advantages(
+    rewards: Tensor,
+    token_shaping: Tensor,
+    mask: Tensor,
+    group_size: int,
+    *,
+    scale: str = "group",
+    eps: float = 1e-6,
+) -> Tensor:
+    """Advantages for per-token returns G_i(t) = R_i + token_shaping[i, t] (sentence-level process reward).
+
+    rewards:       [B] float, outcome reward R_i of each completion.
+    token_shaping: [B, T] float, e.g. lambda * r_sent(i, t) from grpo.alignment.sentence_shaping.
+    mask:          [B, T] 0/1, completion tokens.
+    Group statistics are taken over each completion's masked mean of G (an all-padding completion's mean
+    is R_i); A_i(t) = (G_i(t) - mu_g) / (sigma_g + eps) on masked tokens, 0 on padding.
+    A group whose per-completion means are all equal is left unscaled (G_i(t) - mu_g): dividing by 0 + eps
+    would turn shaping of 0.1 into advantages of 1e5. It is exactly 0 when its token returns are equal too.
+    With token_shaping == 0 this equals group_advantages broadcast over the mask.
+    Returns [B, T] float.
+    """
+    check_ndim(rewards, "rewards", 1)
+    check_ndim(token_shaping, "token_shaping", 2)
+    check_same_shape(token_shaping, "token_shaping", mask, "mask")
+    if token_shaping.shape[0] != rewards.shape[0]:
+        raise ValueError(f"rewards has shape {tuple(rewards.shape)} but token_shaping has {tuple(token_shaping.shape)}")
+    check_floating(rewards, "rewards")
+    check_choice(scale, "scale", SCALES)
+    check_groups(rewards.shape[0], group_size)
+    mask = mask.to(token_shaping.dtype)
+    returns = rewards[:, None] + token_shaping  # [B, T]
+    shaping_mean = (token_shaping * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+    means = (rewards + shaping_mean).view(-1, group_size)  # [P, G], same ops as group_advantages
+    flat = _flat_groups(means)  # [P, 1]
+    # In a flat group take the common value as the baseline (not a float mean of it) so equal returns give 0.
+    mu = torch.where(flat, means[:, :1], means.mean(dim=1, keepdim=True))
+    divisor = _scale(means, scale) + eps if scale != "none" else torch.ones_like(mu)
+    divisor = torch.where(flat, torch.ones_like(divisor), divisor)
+    token_count = returns.shape[1]
+    centred = returns.view(-1, group_size, token_count) - mu[:, :, None]
+    advantages = (centred / divisor[:, :, None]).reshape(-1, token_count)
+    return advantages * mask

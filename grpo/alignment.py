@@ -1,0 +1,88 @@
+"""Token-to-sentence alignment: map sentence-level rewards (character spans) onto completion tokens.
+
+A token belongs to the sentence whose character span contains the token's midpoint. Token spans come
+from incremental decoding (the text of ids[:k+1] minus the text of ids[:k]): unlike decoding tokens one
+at a time, this tiles the decoded text exactly for every tokenizer (SentencePiece drops the leading-space
+marker of a lone token, byte-level BPE splits characters across tokens).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def token_char_spans(prefix_texts: Sequence[str]) -> list[tuple[int, int]]:
+    """Character span of each token from the decoded prefixes of its completion.
+
+    prefix_texts: T + 1 strings, prefix_texts[k] = decode(ids[:k]) (so prefix_texts[0] == "" and
+                  prefix_texts[T] is the whole text), e.g. tokenizer.batch_decode([ids[:k] for k in ...]).
+    Returns T spans (start, end) that tile [0, len(prefix_texts[-1])) in order. A token that completes
+    only part of a character (byte-level BPE) gets an empty span or the character's span.
+
+    >>> token_char_spans(["", "Hello", "Hello world", "Hello world."])
+    [(0, 5), (5, 11), (11, 12)]
+    """
+    if len(prefix_texts) < 1:
+        raise ValueError("prefix_texts needs at least one entry (the empty prefix)")
+    total = len(prefix_texts[-1])
+    spans, start = [], 0
+    for text in prefix_texts[1:]:
+        # A partial UTF-8 character decodes to U+FFFD and can shrink the prefix later: keep spans monotone.
+        end = min(max(start, len(text)), total)
+        spans.append((start, end))
+        start = end
+    return spans
+
+
+def _as_spans(spans, name: str) -> Tensor:
+    tensor = torch.as_tensor(spans, dtype=torch.long)
+    if tensor.numel() == 0:
+        return tensor.reshape(0, 2)
+    if tensor.ndim != 2 or tensor.shape[1] != 2:
+        raise ValueError(f"{name} must be a list of (start, end) pairs / [N, 2], got shape {tuple(tensor.shape)}")
+    if bool((tensor[:, 1] < tensor[:, 0]).any()):
+        raise ValueError(f"{name} has a span with end < start")
+    return tensor
+
+
+def token_sentence_index(token_char_spans, sentence_char_spans) -> Tensor:
+    """Index of the sentence containing each token's midpoint, -1 for none.
+
+    token_char_spans:    T pairs (start, end) or LongTensor [T, 2].
+    sentence_char_spans: S pairs (start, end) or LongTensor [S, 2], not overlapping, end exclusive.
+    Tokens with an empty span (special tokens) and tokens outside every sentence (tags, whitespace) get -1.
+    Returns LongTensor [T].
+
+    >>> token_sentence_index([(0, 3), (3, 7), (7, 8), (8, 12)], [(0, 7), (8, 12)])
+    tensor([ 0,  0, -1,  1])
+    """
+    tokens = _as_spans(token_char_spans, "token_char_spans")
+    sentences = _as_spans(sentence_char_spans, "sentence_char_spans")
+    if sentences.shape[0] == 0 or tokens.shape[0] == 0:
+        return torch.full((tokens.shape[0],), -1, dtype=torch.long)
+    twice_mid = (tokens[:, 0] + tokens[:, 1])[:, None]  # 2 * midpoint, to stay in integers
+    inside = (2 * sentences[None, :, 0] <= twice_mid) & (twice_mid < 2 * sentences[None, :, 1])  # [T, S]
+    inside &= (tokens[:, 1] > tokens[:, 0])[:, None]
+    index = inside.to(torch.long).argmax(dim=1)  # first containing sentence
+    return torch.where(inside.any(dim=1), index, torch.full_like(index, -1))
+
+
+def sentence_shaping(index: Tensor, sentence_rewards, coef: float = 1.0) -> Tensor:
+    """Per-token shaping coef * r_sent(sentence of the token), 0 where index is -1.
+
+    index:            LongTensor [T] from token_sentence_index.
+    sentence_rewards: S floats (list or [S] tensor).
+    Returns [T] float32 (a row of grpo.advantages.shaped_advantages' token_shaping).
+
+    >>> sentence_shaping(torch.tensor([0, 0, -1, 1]), [0.1, -0.3], coef=1.0)
+    tensor([ 0.1000,  0.1000,  0.0000, -0.3000])
+    """
+    if index.ndim != 1:
+        raise ValueError(f"index must have 1 dimension, got shape {tuple(index.shape)}")
+    rewards = torch.as_tensor(sentence_rewards, dtype=torch.float32).reshape(-1)
+    if index.numel() and int(index.max()) >= rewards.shape[0]:
+        raise ValueError(f"index refers to sentence {int(index.max())} but only {rewards.shape[0]} rewards given")
+    padded = torch.cat([rewards, rewards.new_zeros(1)])  # index -1 -> the trailing 0
+    return coef * padded[index]
