@@ -1,0 +1,74 @@
+"""Per-step metrics of the RL loop (TRL-style names) and their reduction over ranks.
+
+The ones that catch silent no-learning (DESIGN.md): flat_group_frac, truncation_rate, per-component reward
+means, ratio_mean on the first update (must be 1 on-policy) and the time split.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def _nanmean(values) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return sum(finite) / len(finite) if finite else float("nan")
+
+
+def step_metrics(groups, rewards: Tensor, lengths: Tensor, max_len: int, group_size: int, updates: list[dict],
+                 times: dict, *, grad_norm: float, lr: float, skipped: float, sync_info: dict) -> dict:
+    """Everything one step logs; `updates` holds one dict per micro-batch update (epoch 0 first)."""
+    grouped = rewards.view(-1, group_size)
+    truncated = [c.finish_reason == "length" for c in groups.completions]
+    tokens = sum(u["tokens"] for u in updates)
+    total_time = sum(times.values())
+    metrics = {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "acc": float(groups.correct.mean()),
+        "flat_group_frac": float((grouped == grouped[:, :1]).all(dim=1).float().mean()),
+        "kept_group_frac": float(groups.loss_weight.view(-1, group_size)[:, 0].mean()),
+        "gen_rounds": float(groups.rounds),
+        "truncation_rate": sum(truncated) / len(truncated),
+        "response_length_mean": float(lengths.mean()),
+        "response_length_max": float(lengths.max()),
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "skipped": skipped,
+        "tokens_per_s": float(lengths.sum()) / max(total_time, 1e-9),
+        "trained_tokens": tokens,
+        **{f"time_{k}": v for k, v in times.items()},
+    }
+    for key in ("clip_frac_upper", "clip_frac_lower", "clip_frac_dual", "approx_kl", "ratio_mean", "entropy",
+                "logprob_gap", "kl"):
+        values = [u[key] for u in updates if key in u]
+        if values:
+            metrics[key] = _nanmean(values)
+    metrics["ratio_max"] = max(u["ratio_max"] for u in updates)
+    # On the first update of a rollout the ratio must be exactly 1 (old = current): a check on every run.
+    metrics["ratio_first_update"] = updates[0]["ratio_mean"]
+    for key, values in groups.components.items():
+        metrics[f"reward/{key}"] = _nanmean(values)
+    if "format" in groups.components:
+        metrics["format_rate"] = _nanmean([float(v >= 1.0) for v in groups.components["format"] if not math.isnan(v)])
+    for key, value in sync_info.items():
+        metrics[f"sync_{key}"] = float(value)
+    return metrics
+
+
+def reduce_metrics(metrics: dict, dist) -> dict:
+    """Average over ranks (max for *_max keys). Keys must match on every rank; per-component reward keys
+    (which depend on each rank's data sources) stay rank 0's own."""
+    if dist.world_size == 1:
+        return metrics
+    keys = sorted(k for k in metrics if not k.startswith("reward/"))
+    mean_keys = [k for k in keys if not k.endswith("_max")]
+    max_keys = [k for k in keys if k.endswith("_max")]
+    means = dist.all_reduce_sum(torch.tensor([metrics[k] for k in mean_keys], dtype=torch.float64,
+                                             device=dist.device)) / dist.world_size
+    maxes = dist.all_reduce_max(torch.tensor([metrics[k] for k in max_keys], dtype=torch.float64, device=dist.device))
+    out = dict(metrics)
+    out.update({k: float(v) for k, v in zip(mean_keys, means.tolist())})
+    out.update({k: float(v) for k, v in zip(max_keys, maxes.tolist())})
+    return out

@@ -1,0 +1,72 @@
+"""Process-group set-up and the few collectives the loops need, handed to them as a small frozen value.
+
+Without torchrun everything runs as one process: the collectives are identities.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as torch_dist
+
+
+def _identity(tensor):
+    return tensor
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    mesh: object = None  # DeviceMesh over all ranks (FSDP2), None for one process
+    all_reduce_sum: Callable = _identity
+    all_reduce_max: Callable = _identity
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _all_reduce(op):
+    def reduce(tensor):
+        tensor = tensor.clone()
+        torch_dist.all_reduce(tensor, op=op)
+        return tensor
+    return reduce
+
+
+def init_distributed() -> DistInfo:
+    """One process, or the torchrun world (nccl on CUDA, gloo on CPU). Call once, before building vLLM."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world_size == 1:
+        return DistInfo(device=device)
+    if not torch_dist.is_initialized():
+        torch_dist.init_process_group("nccl" if cuda else "gloo")
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(device.type, (world_size,))
+    return DistInfo(rank=torch_dist.get_rank(), world_size=world_size, local_rank=local_rank, device=device,
+                    mesh=mesh, all_reduce_sum=_all_reduce(torch_dist.ReduceOp.SUM),
+                    all_reduce_max=_all_reduce(torch_dist.ReduceOp.MAX))
+
+
+def barrier(dist: DistInfo) -> None:
+    if dist.world_size > 1:
+        torch_dist.barrier()
+
+
+def shutdown(dist: DistInfo) -> None:
+    # vLLM may have torn the group down already ("Invalid process group specified"): guard the teardown.
+    if dist.world_size > 1 and torch_dist.is_initialized():
+        try:
+            torch_dist.destroy_process_group()
+        except Exception:
+            pass
