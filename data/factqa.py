@@ -1,0 +1,158 @@
+"""Factual QA sets (NQ-Open, PopQA, SimpleQA, TruthfulQA, the learning-zone curriculum) to `factqa_corpus` rows.
+
+The ground truth is the gold aliases joined with `;` (a plain string, which the corpus-grounded recipe's
+string-match judge splits); the system prompt asks for `<think>...</think><answer>...</answer>`.
+
+    python -m data.factqa convert --input ../shared/data/factqa/nq_open_validation.json --out nq.jsonl
+    python -m data.factqa filter --input nq.jsonl --out nq_zone.jsonl --group-size 8   # see data/self_filter.py
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from data.jsonio import read_records, require
+from data.rows import make_row, read_rows, write_rows
+
+DATA_SOURCE = "factqa_corpus"
+ABILITY = "factual_qa"
+SYSTEM_PROMPT = (
+    "Answer the question. First think it through inside <think> </think>, stating the facts you rely on, "
+    "then give only the short final answer inside <answer> </answer>."
+)
+# File stems of ../shared/data/factqa to short data set names (any other file keeps its stem).
+DATASET_NAMES = {
+    "nq_open_validation": "nq_open",
+    "popqa_test": "popqa",
+    "simpleqa": "simpleqa",
+    "truthfulqa": "truthfulqa",
+    "stepwise_curriculum_llama31_8b": "curriculum",
+}
+
+
+def _aliases(values: list[str]) -> list[str]:
+    """Strip, drop empties and duplicates (first kept); `;` inside an alias becomes `,` since `;` separates them."""
+    seen: dict[str, None] = {}
+    for value in values:
+        alias = " ".join(value.replace(";", ",").split())
+        if alias:
+            seen.setdefault(alias, None)
+    return list(seen)
+
+
+def factqa_row(question: str, aliases: list[str], *, index: int, split: str, dataset: str, **extra_info) -> dict:
+    """One `factqa_corpus` row: system prompt + question; ground truth `alias1;alias2;...`."""
+    cleaned = _aliases(aliases)
+    if not cleaned:
+        raise ValueError(f"question {question!r:.80} has no non-empty answer alias")
+    return make_row(
+        [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": " ".join(question.split())}],
+        data_source=DATA_SOURCE,
+        ability=ABILITY,
+        ground_truth=";".join(cleaned),
+        index=index,
+        split=split,
+        dataset=dataset,
+        answer=cleaned[0],
+        **extra_info,
+    )
+
+
+def convert_factqa(
+    path: str | Path, *, split: str = "train", dataset: str | None = None, start_index: int = 0
+) -> list[dict]:
+    """Rows from a `.json` array or `.jsonl` file of `{question, answer, aliases}` or `{question, answers, title}`.
+
+    The first form is NQ-Open/PopQA/SimpleQA/TruthfulQA (the answer leads the aliases); the second is the
+    learning-zone curriculum (`answers` and `title` are `;`-joined; the titles go to `extra_info["titles"]`).
+    """
+    path = Path(path)
+    dataset = dataset or DATASET_NAMES.get(path.stem, path.stem)
+    rows = []
+    for line_number, record in read_records(path):
+        where = f"{path}:{line_number}"
+        question = require(record, "question", str, where)
+        if not question.strip():
+            raise ValueError(f"{where}: field 'question' is empty")
+        extra: dict = {}
+        if "aliases" in record:
+            answer = require(record, "answer", str, where)
+            aliases = require(record, "aliases", list, where)
+            if not all(isinstance(alias, str) for alias in aliases):
+                raise ValueError(f"{where}: field 'aliases' must be a list of strings")
+            aliases = [answer, *aliases]
+        elif "answers" in record:
+            aliases = require(record, "answers", str, where).split(";")
+            titles = require(record, "title", str, where) if "title" in record else ""
+            extra["titles"] = [title.strip() for title in titles.split(";") if title.strip()]
+        else:
+            raise ValueError(f"{where}: missing field 'aliases' (or 'answers' for the curriculum format)")
+        if not _aliases(aliases):
+            raise ValueError(f"{where}: no non-empty answer alias")
+        rows.append(factqa_row(question, aliases, index=start_index + len(rows), split=split, dataset=dataset, **extra))
+    return rows
+
+
+def _convert_command(args: argparse.Namespace) -> None:
+    rows: list[dict] = []
+    for path in args.input:  # every input is read and checked before anything is written
+        rows += convert_factqa(path, split=args.split, start_index=len(rows))[: args.limit]
+    write_rows(rows, Path(args.out))
+    print(f"{args.out}: {len(rows)} rows")
+
+
+def _filter_command(args: argparse.Namespace) -> None:
+    from data.self_filter import check_settings, engine_generate_fn, load_judge, self_filter
+
+    rows = read_rows(args.input)
+    # Settings and judge are checked before the model loads, so a typo fails in a second, not after a minute.
+    check_settings(args.group_size, args.min_correct, args.max_correct, args.anchors, args.batch_size)
+    judge_fn = load_judge(args.judge)
+    generate_fn = engine_generate_fn(
+        args.model, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+    kept, stats = self_filter(
+        rows, generate_fn, judge_fn,
+        group_size=args.group_size, min_correct=args.min_correct, max_correct=args.max_correct,
+        anchors=args.anchors, batch_size=args.batch_size, seed=args.seed, render=json.dumps,
+    )
+    if not kept:
+        raise ValueError(f"no question was answered correctly between {stats['min_correct']} and "
+                         f"{stats['max_correct']} times out of {args.group_size}; nothing to write ({stats})")
+    write_rows(kept, Path(args.out))
+    print(f"{args.out}: kept {len(kept)} of {len(rows)} rows {stats}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m data.factqa", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    convert = commands.add_parser("convert", help="QA json/jsonl files -> factqa_corpus rows")
+    convert.add_argument("--input", nargs="+", required=True, help="one or more .json/.jsonl files")
+    convert.add_argument("--out", required=True, help="output .jsonl or .parquet")
+    convert.add_argument("--split", default="train")
+    convert.add_argument("--limit", type=int, default=None, help="keep the first N rows of each input")
+    keep = commands.add_parser("filter", help="keep the questions the current model gets right sometimes")
+    keep.add_argument("--input", required=True, help="factqa rows (.jsonl or .parquet)")
+    keep.add_argument("--out", required=True)
+    keep.add_argument("--model", default=None, help="model directory or HF id in the local cache; default: embedded")
+    keep.add_argument("--group-size", type=int, default=8, help="completions sampled per question (G)")
+    keep.add_argument("--min-correct", type=int, default=1)
+    keep.add_argument("--max-correct", type=int, default=None, help="default: G-1")
+    keep.add_argument("--anchors", type=int, default=0, help="also keep this many always-correct questions")
+    keep.add_argument("--max-new-tokens", type=int, default=256)
+    keep.add_argument("--temperature", type=float, default=1.0)
+    keep.add_argument("--top-p", type=float, default=1.0)
+    keep.add_argument("--batch-size", type=int, default=16, help="questions per generate call")
+    keep.add_argument("--seed", type=int, default=0)
+    keep.add_argument("--judge", default="rewards.factqa:judge",
+                      help="module:function judging (completion_text, ground_truth): bool, or a number > 0 if right")
+    args = parser.parse_args(argv)
+    try:
+        _convert_command(args) if args.command == "convert" else _filter_command(args)
+    except (ValueError, FileNotFoundError) as error:
+        raise SystemExit(f"error: {error}") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""Careful JSON input and atomic output: every record keeps its file and line so a bad one is reported exactly.
+
+Converters read whole inputs through these functions before writing anything, and write through
+`atomic_write_text` / `atomic_path`, so a failure never leaves a half-written output file behind.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+# Far above any prompt a model in this project can take (~1M tokens of text); a longer line is almost
+# certainly a corrupt or wrong file, and reading it whole would only delay the error.
+MAX_LINE_BYTES = 4 * 1024 * 1024
+
+
+def _excerpt(text: str, limit: int = 60) -> str:
+    """A short, printable start of `text` for an error message (never the whole 10 MB line)."""
+    text = text.strip()
+    return repr(text[:limit] + ("..." if len(text) > limit else ""))
+
+
+def _check_file(path: Path) -> None:
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file")
+    if not path.is_file():
+        raise ValueError(f"{path}: not a regular file")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path}: the file is empty")
+
+
+def _decode(raw: bytes, path: Path, line_number: int) -> str:
+    """Bytes of one line to text; binary junk (NUL bytes, invalid UTF-8) fails naming the line."""
+    if b"\x00" in raw:
+        raise ValueError(f"{path}:{line_number}: binary data (NUL byte) where JSON text was expected")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{path}:{line_number}: not UTF-8 text (byte {error.start} of the line is {raw[error.start]:#04x}); "
+            "is this a binary file?"
+        ) from None
+
+
+def iter_jsonl(path: str | Path, *, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, dict]]:
+    """Yield `(line_number, object)` for each non-blank line of a JSONL file (line numbers are 1-based).
+
+    Fails with ValueError naming the file and line for: an empty file, a file with only blank lines,
+    binary junk, a line over `max_line_bytes`, invalid JSON, or a line that is not a JSON object.
+    """
+    path = Path(path)
+    _check_file(path)
+    seen_any = False
+    with open(path, "rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            if len(raw) > max_line_bytes:
+                raise ValueError(
+                    f"{path}:{line_number}: line is {len(raw):,} bytes, over the limit of {max_line_bytes:,} "
+                    "(corrupt file, or not JSONL?)"
+                )
+            text = _decode(raw, path, line_number)
+            if line_number == 1:
+                text = text.removeprefix("\ufeff")  # a UTF-8 byte-order mark, as some Windows editors write
+            if not text.strip():
+                continue
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    f"{path}:{line_number}: invalid JSON ({error.msg} at column {error.colno}): {_excerpt(text)}"
+                ) from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{line_number}: expected a JSON object, got {type(record).__name__}")
+            seen_any = True
+            yield line_number, record
+    if not seen_any:
+        raise ValueError(f"{path}: the file has no records (only blank lines)")
+
+
+def read_json_array(path: str | Path) -> list[tuple[int, dict]]:
+    """Read a file holding one JSON array of objects; return `(line_number, object)` per element.
+
+    The line number is where the element starts, found by decoding the array one element at a time,
+    so a bad record in a 14,000-element file is reported by its line, not by a position in a list.
+    """
+    path = Path(path)
+    _check_file(path)
+    raw = path.read_bytes()
+    # Report binary junk by line, like iter_jsonl.
+    for line_number, raw_line in enumerate(raw.split(b"\n"), start=1):
+        _decode(raw_line, path, line_number)
+    text = raw.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark is not JSON, but is common
+    decoder = json.JSONDecoder()
+
+    counted = {"position": 0, "line": 1}
+
+    def line_of(position: int) -> int:
+        # Counted on from the previous call (positions only grow): counting from 0 each time is quadratic.
+        if position < counted["position"]:
+            return text.count("\n", 0, position) + 1
+        counted["line"] += text.count("\n", counted["position"], position)
+        counted["position"] = position
+        return counted["line"]
+
+    def skip_space(position: int) -> int:
+        while position < len(text) and text[position] in " \t\r\n":
+            position += 1
+        return position
+
+    position = skip_space(0)
+    if position == len(text):
+        raise ValueError(f"{path}: the file is empty (only whitespace)")
+    if text[position] != "[":
+        raise ValueError(
+            f"{path}:{line_of(position)}: expected a JSON array starting with '[', got {_excerpt(text[position:])}"
+        )
+    records: list[tuple[int, dict]] = []
+    position = skip_space(position + 1)
+    if position < len(text) and text[position] == "]":
+        raise ValueError(f"{path}: the JSON array is empty")
+    while True:
+        start = position
+        try:
+            element, position = decoder.raw_decode(text, start)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{error.lineno}: invalid JSON ({error.msg} at column {error.colno})") from None
+        if not isinstance(element, dict):
+            raise ValueError(f"{path}:{line_of(start)}: expected a JSON object, got {type(element).__name__}")
+        records.append((line_of(start), element))
+        position = skip_space(position)
+        if position < len(text) and text[position] == ",":
+            position = skip_space(position + 1)
+            continue
+        if position < len(text) and text[position] == "]":
+            break
+        raise ValueError(f"{path}:{line_of(position)}: expected ',' or ']' after an array element")
+    if skip_space(position + 1) != len(text):
+        raise ValueError(f"{path}:{line_of(position + 1)}: extra data after the JSON array")
+    return records
+
+
+def read_records(path: str | Path) -> list[tuple[int, dict]]:
+    """`(line_number, object)` pairs from a JSONL file, or from a `.json` file holding one array."""
+    path = Path(path)
+    if path.suffix == ".json":
+        return read_json_array(path)
+    return list(iter_jsonl(path))
+
+
+def require(record: dict, key: str, expected: type | tuple[type, ...], where: str) -> Any:
+    """`record[key]`, checked to be of the expected type; the error names `where` (file:line) and the key."""
+    if key not in record:
+        raise ValueError(f"{where}: missing field {key!r}")
+    value = record[key]
+    # bool is a subclass of int: a true/false where a number belongs is an error, not 1/0.
+    if isinstance(value, bool) and bool not in (expected if isinstance(expected, tuple) else (expected,)):
+        raise ValueError(f"{where}: field {key!r} must be {_type_names(expected)}, got bool {value!r}")
+    if not isinstance(value, expected):
+        raise ValueError(
+            f"{where}: field {key!r} must be {_type_names(expected)}, "
+            f"got {type(value).__name__} {_excerpt(repr(value))}"
+        )
+    return value
+
+
+def _type_names(expected: type | tuple[type, ...]) -> str:
+    types = expected if isinstance(expected, tuple) else (expected,)
+    return " or ".join(t.__name__ for t in types)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; on success it replaces `path` in one rename, on failure it is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield temporary
+        with open(temporary, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    finally:
+        if temporary.exists():
+            temporary.unlink()
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write `text` (UTF-8) to `path` so that readers see either the old file or the whole new one."""
+    with atomic_path(path) as temporary:
+        temporary.write_text(text, encoding="utf-8")

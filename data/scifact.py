@@ -1,0 +1,136 @@
+"""SciFact (official release files) to `scifact_evidence` rows: `python -m data.scifact --input DIR --out DIR`.
+
+Per claim: the first evidence document and its first rationale set (SUPPORT -> SUPPORTS, CONTRADICT -> REFUTES);
+a claim with no evidence gets its first cited document and NOT_ENOUGH_INFO. The official test split hides
+its labels, so it is refused: it has no ground truth to train or evaluate on.
+"""
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from pathlib import Path
+
+from data.evidence import evidence_row
+from data.jsonio import iter_jsonl, require
+from data.rows import write_rows
+
+LABEL_NAMES = {"SUPPORT": "SUPPORTS", "CONTRADICT": "REFUTES"}
+DEFAULT_SPLITS = ("train", "dev")
+
+
+def load_corpus(path: str | Path) -> dict[int, dict]:
+    """`{doc_id: {"title": str, "abstract": [sentence, ...]}}` from `corpus.jsonl`; duplicate ids are errors."""
+    corpus: dict[int, dict] = {}
+    for line_number, record in iter_jsonl(path):
+        where = f"{path}:{line_number}"
+        doc_id = require(record, "doc_id", int, where)
+        title = require(record, "title", str, where)
+        abstract = require(record, "abstract", list, where)
+        if not abstract or not all(isinstance(sentence, str) for sentence in abstract):
+            raise ValueError(f"{where}: field 'abstract' of doc_id {doc_id} must be a non-empty list of strings")
+        if doc_id in corpus:
+            raise ValueError(f"{where}: duplicate doc_id {doc_id} (first seen at line {corpus[doc_id]['line']})")
+        corpus[doc_id] = {"title": title, "abstract": abstract, "line": line_number}
+    return corpus
+
+
+def _choose_evidence(record: dict, where: str) -> tuple[int, str, list[int]]:
+    """(doc_id, label, sentence indices) of a claim, by the rule in the module docstring."""
+    claim_id = record["id"]
+    evidence = require(record, "evidence", dict, where)
+    if not evidence:
+        cited = require(record, "cited_doc_ids", list, where)
+        if not cited or isinstance(cited[0], bool) or not isinstance(cited[0], int):
+            raise ValueError(f"{where}: claim id {claim_id} has no evidence and no integer 'cited_doc_ids'")
+        return cited[0], "NOT_ENOUGH_INFO", []
+    doc_key, rationales = next(iter(evidence.items()))
+    try:
+        doc_id = int(doc_key)
+    except ValueError:
+        raise ValueError(f"{where}: claim id {claim_id}: evidence key {doc_key!r} is not a document id") from None
+    if not isinstance(rationales, list) or not rationales or not isinstance(rationales[0], dict):
+        raise ValueError(
+            f"{where}: claim id {claim_id}: field 'evidence.{doc_key}' must be a non-empty list of rationales"
+        )
+    rationale = rationales[0]
+    label = rationale.get("label")
+    if label not in LABEL_NAMES:
+        raise ValueError(
+            f"{where}: claim id {claim_id}: field 'evidence.{doc_key}[0].label' is {label!r}; "
+            "expected SUPPORT or CONTRADICT"
+        )
+    sentences = rationale.get("sentences")
+    if not isinstance(sentences, list) or not sentences or not all(
+        isinstance(index, int) and not isinstance(index, bool) for index in sentences
+    ):
+        raise ValueError(
+            f"{where}: claim id {claim_id}: field 'evidence.{doc_key}[0].sentences' "
+            "must be a non-empty list of integers"
+        )
+    return doc_id, LABEL_NAMES[label], sentences
+
+
+def convert_claims(claims_path: str | Path, corpus: dict[int, dict], split: str) -> list[dict]:
+    """Rows for every claim of one `claims_<split>.jsonl`; reads the whole file before returning anything."""
+    claims_path = Path(claims_path)
+    records = list(iter_jsonl(claims_path))
+    if all("evidence" not in record for _, record in records):
+        raise ValueError(
+            f"{claims_path}: these claims have no 'evidence' labels (the official SciFact test split hides them), "
+            "so they cannot be used for training or evaluation; use claims_train.jsonl and claims_dev.jsonl"
+        )
+    rows: list[dict] = []
+    first_line: dict[int, int] = {}
+    for line_number, record in records:
+        where = f"{claims_path}:{line_number}"
+        claim_id = require(record, "id", int, where)
+        if claim_id in first_line:
+            raise ValueError(f"{where}: duplicate claim id {claim_id} (first seen at line {first_line[claim_id]})")
+        first_line[claim_id] = line_number
+        claim = require(record, "claim", str, where)
+        doc_id, label, indices = _choose_evidence(record, where)
+        if doc_id not in corpus:
+            raise ValueError(f"{where}: claim id {claim_id} cites doc_id {doc_id}, which is not in the corpus")
+        document = corpus[doc_id]
+        for index in indices:
+            if not 0 <= index < len(document["abstract"]):
+                raise ValueError(
+                    f"{where}: claim id {claim_id}: evidence sentence index {index} is out of range for doc_id "
+                    f"{doc_id}, whose abstract has {len(document['abstract'])} sentences"
+                )
+        rows.append(
+            evidence_row(
+                claim, document["title"], document["abstract"], label, indices,
+                index=len(rows), split=split, claim_id=claim_id, doc_id=doc_id,
+            )
+        )
+    return rows
+
+
+def convert_directory(input_dir: str | Path, splits: tuple[str, ...] = DEFAULT_SPLITS) -> dict[str, list[dict]]:
+    """`{split: rows}` for `claims_<split>.jsonl` in `input_dir`, all read and checked before any is returned."""
+    input_dir = Path(input_dir)
+    corpus = load_corpus(input_dir / "corpus.jsonl")
+    return {split: convert_claims(input_dir / f"claims_{split}.jsonl", corpus, split) for split in splits}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m data.scifact", description=__doc__.splitlines()[0])
+    parser.add_argument("--input", required=True, help="folder with corpus.jsonl and claims_<split>.jsonl")
+    parser.add_argument("--out", required=True, help="folder to write <split>.jsonl (or .parquet) into")
+    parser.add_argument("--splits", nargs="+", default=list(DEFAULT_SPLITS), help="default: train dev")
+    parser.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl")
+    args = parser.parse_args(argv)
+    try:
+        converted = convert_directory(args.input, tuple(args.splits))
+    except (ValueError, FileNotFoundError) as error:
+        raise SystemExit(f"error: {error}") from None
+    for split, rows in converted.items():
+        path = Path(args.out) / f"{split}.{args.format}"
+        write_rows(rows, path)
+        counts = Counter(row["extra_info"]["label"] for row in rows)
+        print(f"{path}: {len(rows)} rows {dict(sorted(counts.items()))}")
+
+
+if __name__ == "__main__":
+    main()

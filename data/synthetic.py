@@ -1,0 +1,125 @@
+"""A generated claim/evidence task about invented companies: `python -m data.synthetic --n 200 --seed 0 --out FILE`.
+
+Each example shows 3-4 short sentences, each stating one attribute (founding year, city, staff, product,
+leader, logo colour) of an invented company, and a claim about one company's attribute:
+SUPPORTS when a sentence states that attribute with the same value, REFUTES when it states a different value,
+NOT_ENOUGH_INFO when no sentence states it (the company itself still appears, with another attribute, so
+the label cannot be read off the name alone). The label is always decidable from one sentence, which is the
+gold evidence. Rows use the SciFact prompt and `scifact_evidence` reward, so the demo exercises the real
+pipeline; the facts are invented, so no model knows them in advance.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+from data.evidence import LABELS, evidence_row
+from data.rows import write_rows
+
+FIRST_SYLLABLES = (
+    "Zor", "Quen", "Brim", "Tal", "Vex", "Mor", "Kel", "Dra", "Pel", "Sor", "Ulm", "Fen", "Gar", "Hol", "Nix", "Yar",
+)
+SECOND_SYLLABLES = ("vex", "ta", "well", "dor", "rin", "bek", "sto", "mar", "lin", "quay", "dith", "ora")
+KINDS = ("Labs", "Foods", "Works", "Motors", "Textiles", "Mills", "Systems", "Studios")
+CITIES = ("Tarnow", "Elsbridge", "Quarrow", "Mistvale", "Oldhaven", "Brackley", "Dunmore", "Fairmoss", "Corvale")
+PRODUCTS = (
+    "glass lenses", "wool blankets", "solar kettles", "paper kites", "brass bells", "clay bricks", "rope ladders",
+    "tin whistles",
+)
+PEOPLE = ("Mara Voss", "Tomas Kell", "Ines Darrow", "Olek Brand", "Lena Ferris", "Paul Ostrin", "Rhea Malden")
+COLOURS = ("red", "blue", "green", "yellow", "purple", "orange", "black", "white")
+
+# attribute: (context sentence, claim, value pool). Sentences run ~7-9 words; claims paraphrase them so the
+# model has to match meaning rather than copy a string, while the evidence it copies is the context sentence.
+ATTRIBUTES = {
+    "founded": (
+        "{entity} was founded in the year {value}.", "{entity} was founded in {value}.",
+        [str(year) for year in range(1950, 2021)],
+    ),
+    "city": ("The head office of {entity} is in {value}.", "{entity} is based in {value}.", CITIES),
+    "staff": (
+        "{entity} employs about {value} people in total.", "{entity} has about {value} employees.",
+        [str(n) for n in range(50, 1000, 10)],
+    ),
+    "product": ("{entity} is best known for making {value}.", "{entity} makes {value}.", PRODUCTS),
+    "leader": ("{entity} is currently led by {value}.", "{entity} is run by {value}.", PEOPLE),
+    "colour": ("The logo of {entity} is bright {value}.", "The logo of {entity} is {value}.", COLOURS),
+}
+TITLE = "Company records"
+
+
+def _entities(rng: random.Random, count: int) -> list[str]:
+    """`count` distinct invented company names."""
+    names: set[str] = set()
+    while len(names) < count:
+        names.add(f"{rng.choice(FIRST_SYLLABLES)}{rng.choice(SECOND_SYLLABLES)} {rng.choice(KINDS)}")
+    return rng.sample(sorted(names), count)  # sorted first: set order is not deterministic across runs
+
+
+def _sentence(attribute: str, entity: str, value: str) -> str:
+    return ATTRIBUTES[attribute][0].format(entity=entity, value=value)
+
+
+def generate_example(rng: random.Random, label: str) -> tuple[str, list[str], list[int]]:
+    """(claim, context sentences, gold evidence indices) for one example with the given label."""
+    num_sentences = rng.randint(3, 4)  # 5 would push the chat-rendered prompt past ~200 tokens
+    target, *others = _entities(rng, num_sentences)
+    claim_attribute, other_attribute = rng.sample(sorted(ATTRIBUTES), 2)
+    pool = ATTRIBUTES[claim_attribute][2]
+    true_value = rng.choice(pool)
+    claim_value = true_value if label != "REFUTES" else rng.choice([value for value in pool if value != true_value])
+    claim = ATTRIBUTES[claim_attribute][1].format(entity=target, value=claim_value)
+
+    sentences: list[str] = []
+    if label != "NOT_ENOUGH_INFO":
+        sentences.append(_sentence(claim_attribute, target, true_value))
+    # NOT_ENOUGH_INFO always mentions the claimed company (with another attribute); the others sometimes do,
+    # so "the company is named" never decides the label on its own.
+    if label == "NOT_ENOUGH_INFO" or rng.random() < 0.5:
+        sentences.append(_sentence(other_attribute, target, rng.choice(ATTRIBUTES[other_attribute][2])))
+    # Distractors: other companies, never with the claimed attribute, so exactly one sentence decides the label.
+    distractor_attributes = [name for name in sorted(ATTRIBUTES) if name != claim_attribute]
+    for entity in others[: num_sentences - len(sentences)]:
+        attribute = rng.choice(distractor_attributes)
+        sentences.append(_sentence(attribute, entity, rng.choice(ATTRIBUTES[attribute][2])))
+    order = list(range(len(sentences)))
+    rng.shuffle(order)
+    shuffled = [sentences[position] for position in order]
+    evidence = [order.index(0)] if label != "NOT_ENOUGH_INFO" else []
+    return claim, shuffled, evidence
+
+
+def generate_rows(n: int, seed: int = 0, split: str = "train") -> list[dict]:
+    """`n` rows, labels balanced (counts differ by at most one) in a seeded random order; same seed, same rows."""
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}")
+    rng = random.Random(seed)
+    labels = [LABELS[i % len(LABELS)] for i in range(n)]
+    rng.shuffle(labels)
+    rows = []
+    for index, label in enumerate(labels):
+        claim, sentences, evidence = generate_example(rng, label)
+        rows.append(
+            evidence_row(claim, TITLE, sentences, label, evidence, index=index, split=split, generator_seed=seed)
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m data.synthetic", description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, required=True, help="number of rows")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--split", default="train", help="written to extra_info.split")
+    parser.add_argument("--out", required=True, help="output .jsonl or .parquet file")
+    args = parser.parse_args(argv)
+    try:
+        rows = generate_rows(args.n, args.seed, args.split)
+        write_rows(rows, Path(args.out))
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
+    print(f"{args.out}: {len(rows)} rows (seed {args.seed})")
+
+
+if __name__ == "__main__":
+    main()
