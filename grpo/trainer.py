@@ -120,7 +120,7 @@ def train_rl(cfg, dist, parts) -> dict:
                 loss_total += float(loss.detach())
                 nonfinite |= not math.isfinite(float(loss.detach()))
                 updates.append({**{k: float(v) for k, v in loss_metrics.items()},
-                                "entropy": float((entropy * mb_mask).sum() / mb_mask.sum().clamp(min=1))
+                                "entropy": float((entropy.detach() * mb_mask).sum() / mb_mask.sum().clamp(min=1))
                                 if entropy is not None else float("nan"),
                                 "logprob_gap": float(((old - rollout_logprobs[rows, :columns]).abs() * mb_mask).sum()
                                                      / mb_mask.sum().clamp(min=1)) if epoch == 0 else float("nan"),

@@ -60,7 +60,7 @@ def check_config(cfg: Config, dist) -> tuple[list[dict], list[dict]]:
     """Checks that need no model: files, reward names, batch arithmetic. Returns (train rows, eval rows)."""
     import rewards
     for data_source, dotted in cfg.reward.functions.items():
-        rewards.register(data_source, rewards.get_reward(dotted))
+        rewards.register(data_source, rewards.get_reward(dotted), overwrite=True)
     if not cfg.data.train_files:
         raise ConfigError("data.train_files is empty: name at least one rows file (JSONL or Parquet)")
     rows = _read_rows(cfg.data.train_files, "data.train_files")

@@ -17,3 +17,15 @@ def shared_data() -> Path:
     if not (SHARED_DATA / "scifact" / "corpus.jsonl").exists():
         raise FileNotFoundError(f"reference data not found at {SHARED_DATA}; set NANOGRPO_SHARED_DATA")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama saved as an HF directory with the embedded SmolLM2 tokenizer (its chat template)."""
+    from models import load_tokenizer
+    from models.tiny import tiny_model
+
+    directory = tmp_path_factory.mktemp("tiny_llama")
+    tiny_model("llama", seed=0).save_pretrained(directory)
+    load_tokenizer(None).save_pretrained(directory)
+    return directory

@@ -1,0 +1,8 @@
+"""A reward for end-to-end tests on random-weight models: it varies within every group (so advantages are
+non-zero and parameters move) and is deterministic. Registered through reward.functions by dotted path."""
+
+
+def vowel_fraction(data_source, solution_str, ground_truth, extra_info=None):
+    letters = [c for c in solution_str.lower() if c.isalpha()]
+    score = sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0
+    return {"score": score, "acc": float(score > 0.3), "format": 1.0}
