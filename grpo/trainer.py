@@ -69,6 +69,7 @@ def train_rl(cfg, dist, parts) -> dict:
             advantages = shaped_advantages(rewards, shaping, mask, group_size, scale=algo.adv_scale, eps=algo.adv_eps)
         else:
             advantages = group_advantages(rewards, group_size, scale=algo.adv_scale, eps=algo.adv_eps)[:, None] * mask
+        shaped_fraction = float(((shaping != 0).float() * mask).sum() / mask.sum().clamp(min=1))
         rollout_logprobs = _padded([torch.tensor(c.logprobs, dtype=torch.float32) for c in completions], width)
 
         # 3. Micro-batches and the step's global loss denominator (one all-reduce per step).
@@ -155,6 +156,7 @@ def train_rl(cfg, dist, parts) -> dict:
         metrics = step_metrics(groups, rewards, lengths, max_len, group_size, updates, times,
                                grad_norm=grad_norm, lr=lr, skipped=float(skips > 0),
                                sync_info=sync_info)
+        metrics["shaped_token_frac"] = shaped_fraction  # is the sentence reward touching any token?
         metrics = reduce_metrics(metrics, dist)
         for key, threshold in (("truncation_rate", tcfg.warn_truncation), ("flat_group_frac", tcfg.warn_flat_groups)):
             streaks[key] = streaks[key] + 1 if metrics[key] > threshold else 0

@@ -61,6 +61,11 @@ def check_config(cfg: Config, dist) -> tuple[list[dict], list[dict]]:
     import rewards
     for data_source, dotted in cfg.reward.functions.items():
         rewards.register(data_source, rewards.get_reward(dotted), overwrite=True)
+    if cfg.reward.corpus_index is not None:
+        if not Path(cfg.reward.corpus_index).is_dir():
+            raise ConfigError(f"reward.corpus_index: index directory not found: {cfg.reward.corpus_index} (build it "
+                              f"with: python -m rewards.corpus build --input corpus.jsonl --out {cfg.reward.corpus_index})")
+        os.environ["NANOGRPO_CORPUS_INDEX"] = str(cfg.reward.corpus_index)
     if not cfg.data.train_files:
         raise ConfigError("data.train_files is empty: name at least one rows file (JSONL or Parquet)")
     rows = _read_rows(cfg.data.train_files, "data.train_files")

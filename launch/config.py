@@ -56,6 +56,9 @@ class RewardConfig:
     """Extra reward functions: {data_source: "package.module:function"} registered before training."""
     sentence_coef: float = 1.0
     """lambda of the sentence-level shaping G_i(t) = R_i + lambda * r_sent (only for rewards with sentences)."""
+    corpus_index: str | None = None
+    """infini-gram index directory for the factqa_corpus reward (python -m rewards.corpus build --input
+    corpus.jsonl --out DIR); exported to the reward as NANOGRPO_CORPUS_INDEX."""
     correct_threshold: float = 0.5
     """A completion counts as correct (for accuracy and DAPO's filter) when its `acc` component, or else its
     score, is at least this."""
@@ -165,8 +168,8 @@ class TrainerConfig:
     """Truncation-rate threshold for the warning."""
     warn_flat_groups: float = 0.9
     """Flat-group-fraction threshold for the warning."""
-    eval_every: int = 0
-    """Held-out evaluation every N steps (0: start and end only)."""
+    eval_before: bool = True
+    """Score the held-out rows before training too (the demo skips it when the previous stage just did)."""
     eval_max_new_tokens: int = 0
     """Held-out evaluation length (0: rollout.max_new_tokens)."""
 

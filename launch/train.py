@@ -45,7 +45,7 @@ def run(cfg, dist, *, resume: bool = False) -> dict:
         result.pop("records")
         return result
 
-    summary = {"run_dir": str(parts.run_dir), "before": held_out()}
+    summary = {"run_dir": str(parts.run_dir), "before": held_out() if cfg.trainer.eval_before else {}}
     loop = train_sft if cfg.stage == "sft" else train_rl
     try:
         summary["final"] = loop(cfg, dist, parts)

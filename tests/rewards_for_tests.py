@@ -6,3 +6,11 @@ def vowel_fraction(data_source, solution_str, ground_truth, extra_info=None):
     letters = [c for c in solution_str.lower() if c.isalpha()]
     score = sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0
     return {"score": score, "acc": float(score > 0.3), "format": 1.0}
+
+
+def vowel_sentences(data_source, solution_str, ground_truth, extra_info=None):
+    """vowel_fraction plus one 'sentence' per half of the text: +0.1 for the first half, -0.1 for the second."""
+    result = vowel_fraction(data_source, solution_str, ground_truth, extra_info)
+    half = len(solution_str) // 2
+    result["sentences"] = [(0, half, 0.1), (half, len(solution_str), -0.1)] if half else []
+    return result

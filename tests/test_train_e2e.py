@@ -65,6 +65,14 @@ def test_grpo_two_steps_and_resume_equivalence(tmp_path, tiny_model_dir):
                 assert before[key] == after[key], (key, before[key], after[key])
 
 
+def test_sentence_rewards_shape_token_advantages(tmp_path, tiny_model_dir):
+    cfg = _config(tmp_path, tiny_model_dir, "trainer.steps=2", "data.eval_files=[]",
+                  f"reward.functions={{{REWARD}: 'rewards_for_tests:vowel_sentences'}}", "reward.sentence_coef=2.0")
+    run(cfg, DistInfo())
+    metrics = _metrics(tmp_path / "runs" / "e2e")
+    assert len(metrics) == 2 and all(m["shaped_token_frac"] > 0.5 for m in metrics)
+
+
 def test_sft_steps_lower_the_loss(tmp_path, tiny_model_dir):
     cfg = _config(tmp_path, tiny_model_dir, "stage=sft", "trainer.steps=6", "trainer.sft_batch_size=4",
                   "data.eval_files=[]", "optim.lr=3e-3")
