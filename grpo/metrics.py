@@ -53,7 +53,7 @@ def step_metrics(groups, rewards: Tensor, lengths: Tensor, max_len: int, group_s
     if "format" in groups.components:
         metrics["format_rate"] = _nanmean([float(v >= 1.0) for v in groups.components["format"] if not math.isnan(v)])
     for key, value in sync_info.items():
-        metrics[f"sync_{key}"] = float(value)
+        metrics[key] = float(value)  # sync/seconds, sync/bytes, ...
     return metrics
 
 
