@@ -1,1 +1,134 @@
+"""Reward functions behind one verl-compatible entry point, `compute_score`, and a registry by data_source.
 
+A reward function has verl's signature `fn(data_source, solution_str, ground_truth, extra_info=None)` and
+returns a float, or a dict with "score" (float), optionally "sentences" ([(char_start, char_end, reward)]
+over solution_str) and named float components. Registered here:
+
+    scifact_evidence  rewards.scifact.scifact_evidence_reward  score in [0, 1]; format, answer, evidence, conciseness
+    evidence_qa       rewards.scifact.evidence_qa_reward       score in [0, 1]; format, answer_f1, evidence, conciseness
+    verifier          rewards.verifier.verifier_reward         score 0/1; correct, parsed, judged_a, judged_b, judged_c
+    factqa_corpus     rewards.factqa.factqa_corpus_reward      score in {-2, 0, 1, 3}; sentences; judge, format, ...
+
+Add your own with `register("name", fn)` or `@register("name")`, or name one by path wherever a
+data_source is expected: "package.module.function", "package.module:function" or "path/to/file.py:function".
+No reward imports torch or a tokenizer library.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+from rewards.factqa import factqa_corpus_reward
+from rewards.scifact import evidence_qa_reward, scifact_evidence_reward
+from rewards.verifier import verifier_reward
+
+RewardFn = Callable[..., "float | dict"]
+_REGISTRY: dict[str, RewardFn] = {}
+
+
+def register(data_source: str, fn: RewardFn | None = None, *, overwrite: bool = False):
+    """Register fn under data_source; without fn, return a decorator. A taken name needs overwrite=True.
+
+    >>> @register("doctest_length", overwrite=True)
+    ... def length_reward(data_source, solution_str, ground_truth, extra_info=None):
+    ...     return float(len(solution_str) == int(ground_truth))
+    >>> compute_score("doctest_length", "abc", "3")
+    1.0
+    >>> _ = _REGISTRY.pop("doctest_length")  # keep the registry as shipped
+    """
+    if not isinstance(data_source, str) or not data_source:
+        raise ValueError(f"data_source must be a non-empty string, got {data_source!r}")
+
+    def add(function: RewardFn) -> RewardFn:
+        if not callable(function):
+            raise ValueError(f"reward for {data_source!r} must be callable, got {type(function).__name__}")
+        existing = _REGISTRY.get(data_source)
+        if existing is not None and existing is not function and not overwrite:
+            raise ValueError(f"data_source {data_source!r} is already registered to {existing.__module__}."
+                             f"{existing.__qualname__}; pass overwrite=True to replace it")
+        _REGISTRY[data_source] = function
+        return function
+
+    return add if fn is None else add(fn)
+
+
+def registered() -> list[str]:
+    """Registered data_source names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def _unknown(name: str, reason: str) -> ValueError:
+    return ValueError(f"unknown reward {name!r} ({reason}); registered data sources: {', '.join(registered())}; "
+                      "or give a path 'package.module.function', 'package.module:function' or 'file.py:function'")
+
+
+def _load_path(name: str) -> RewardFn:
+    if ":" in name:
+        module_name, _, attribute = name.rpartition(":")
+    else:
+        module_name, _, attribute = name.rpartition(".")
+    if not module_name or not attribute:
+        raise _unknown(name, "not registered")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise _unknown(name, f"file {path} does not exist")
+            spec = importlib.util.spec_from_file_location(f"_nanogrpo_reward_{path.stem}", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise _unknown(name, f"cannot import {module_name}: {error}") from None
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise _unknown(name, f"{module_name} has no function {attribute!r}")
+    return function
+
+
+def get_reward(data_source_or_path: str) -> RewardFn:
+    """The registered function, else the function a dotted or file path names; ValueError listing the
+    registered names otherwise. A path's function is registered under the path on first use."""
+    function = _REGISTRY.get(data_source_or_path)
+    if function is not None:
+        return function
+    if not isinstance(data_source_or_path, str) or not data_source_or_path:
+        raise _unknown(str(data_source_or_path), "not a name")
+    if "." not in data_source_or_path and ":" not in data_source_or_path:
+        raise _unknown(data_source_or_path, "not registered")
+    function = _load_path(data_source_or_path)
+    _REGISTRY[data_source_or_path] = function
+    return function
+
+
+def _check_result(data_source: str, solution_str: str, result: object) -> float | dict:
+    """A reward's result must be a finite number or a dict with a finite "score" and valid sentences."""
+    score = result.get("score") if isinstance(result, dict) else result
+    if not isinstance(score, (int, float)) or not math.isfinite(score):  # bool is an int: True scores 1
+        raise ValueError(f"reward {data_source!r} returned score {score!r}; expected a finite float")
+    if isinstance(result, dict):
+        for start, end, _ in result.get("sentences") or ():
+            if not 0 <= start <= end <= len(solution_str):
+                raise ValueError(f"reward {data_source!r} returned sentence span ({start}, {end}) outside "
+                                 f"the {len(solution_str)}-character solution")
+        return result
+    return float(score)
+
+
+def compute_score(data_source: str, solution_str: str, ground_truth: object,
+                  extra_info: dict | None = None) -> float | dict:
+    """verl's entry point: the reward registered for data_source (or named by path) applied to one completion."""
+    if not isinstance(solution_str, str):
+        raise TypeError(f"solution_str must be a str, got {type(solution_str).__name__}")
+    result = get_reward(data_source)(data_source, solution_str, ground_truth, extra_info)
+    return _check_result(data_source, solution_str, result)
+
+
+register("scifact_evidence", scifact_evidence_reward)
+register("evidence_qa", evidence_qa_reward)
+register("verifier", verifier_reward)
+register("factqa_corpus", factqa_corpus_reward)

@@ -1,0 +1,234 @@
+"""Shared text helpers for the rewards: normalisation, token F1, tag blocks, sentence spans and JSON ground truth.
+
+Every function here is total on strings: no input (empty, binary junk, unclosed or nested tags, megabytes of
+text) raises, and all searches are linear in the text length (no regex that backtracks over the whole text).
+"""
+from __future__ import annotations
+
+import json
+import re
+import string
+from collections import Counter
+from typing import NamedTuple
+
+# Every ASCII punctuation character (including `_`) becomes a space; see normalize_text.
+_PUNCTUATION_TO_SPACE = str.maketrans({character: " " for character in string.punctuation})
+_SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+")
+_OPEN_TAG: dict[str, re.Pattern] = {}
+_CLOSE_TAG: dict[str, re.Pattern] = {}
+
+
+def normalize_text(text: str) -> str:
+    """Lower-case, `_` and every ASCII punctuation character to a space, whitespace collapsed.
+
+    >>> normalize_text("  The IL-6 receptor_alpha (sIL6R)!  ")
+    'the il 6 receptor alpha sil6r'
+    """
+    return " ".join(text.lower().translate(_PUNCTUATION_TO_SPACE).split())
+
+
+class TokenBag(NamedTuple):
+    """normalize_text tokens of one text as counts, their number, and the tokens seen more than once."""
+
+    counts: dict[str, int]
+    length: int
+    repeated: frozenset
+
+
+def token_bag(text: str) -> TokenBag:
+    """The TokenBag of a text (gold sides are built once per ground truth and reused)."""
+    tokens = normalize_text(text).split()
+    counts = Counter(tokens)  # counted in C
+    if len(counts) == len(tokens):
+        return TokenBag(counts, len(tokens), frozenset())
+    return TokenBag(counts, len(tokens), frozenset(token for token, count in counts.items() if count > 1))
+
+
+def bag_f1(prediction: TokenBag, gold: TokenBag) -> float:
+    """Token F1 of two bags: 2*shared / (len(prediction) + len(gold)), which equals 2PR/(P+R).
+
+    shared = sum over common tokens of the smaller count = len(common) plus a correction for the few
+    tokens repeated on both sides, so the usual case is a C-level set intersection.
+    """
+    if prediction.length == 0 or gold.length == 0:
+        return 0.0
+    common = prediction.counts.keys() & gold.counts.keys()
+    if not common:
+        return 0.0
+    shared = len(common)
+    if prediction.repeated and gold.repeated:
+        for token in common & prediction.repeated & gold.repeated:
+            shared += min(prediction.counts[token], gold.counts[token]) - 1
+    return 2 * shared / (prediction.length + gold.length)
+
+
+def token_f1(prediction: str, gold: str) -> float:
+    """SQuAD-style token F1 over normalize_text tokens; 0 when either side is empty.
+
+    >>> token_f1("Vitamin D lowers risk", "vitamin d lowers the risk of fracture")
+    0.7272727272727273
+    >>> token_f1("a a b", "a b b"), token_f1("", "anything")
+    (0.6666666666666666, 0.0)
+    """
+    return bag_f1(token_bag(prediction), token_bag(gold))
+
+
+def _tag(name: str, closing: bool) -> re.Pattern:
+    table = _CLOSE_TAG if closing else _OPEN_TAG
+    pattern = table.get(name)
+    if pattern is None:
+        pattern = re.compile(re.escape(f"</{name}>" if closing else f"<{name}>"), re.IGNORECASE)
+        table[name] = pattern
+    return pattern
+
+
+def find_block(text: str, name: str) -> tuple[int, int] | None:
+    """Character span of the content of the first `<name>...</name>` block, or None.
+
+    Same result as `re.search(f"<{name}>(.*?)</{name}>", text, re.I | re.S).span(1)`: the leftmost opening
+    tag that has a closing tag after it is the first opening tag (a later one cannot have a closing tag the
+    first lacks), and non-greedy means the first closing tag after it. Done as two literal searches so that
+    a text with many unclosed tags stays linear instead of quadratic.
+    """
+    opening = _tag(name, closing=False).search(text)
+    if opening is None:
+        return None
+    closing = _tag(name, closing=True).search(text, opening.end())
+    if closing is None:
+        return None
+    return opening.end(), closing.start()
+
+
+def extract_block(text: str, name: str) -> str | None:
+    """The raw content of the first `<name>...</name>` block (case-insensitive, may span lines), or None.
+
+    >>> extract_block("x <ANSWER>\\nSUPPORTS\\n</answer> <answer>no</answer>", "answer")
+    '\\nSUPPORTS\\n'
+    >>> extract_block("<answer> unclosed", "answer") is None
+    True
+    """
+    span = find_block(text, name)
+    return None if span is None else text[span[0]:span[1]]
+
+
+def scoring_regions(text: str, names: tuple[str, ...] = ("think", "answer")) -> list[tuple[int, int]]:
+    """Content spans of the non-overlapping `<think>...</think>` / `<answer>...</answer>` blocks, left to right.
+
+    Same blocks as `re.finditer("<think>(.*?)</think>|<answer>(.*?)</answer>", text, re.I | re.S)`, so a
+    block nested in another is part of the outer one. The whole text, `[(0, len(text))]`, when there is no
+    complete block. Linear: the next opening tag of each kind is remembered, so no search repeats a prefix.
+
+    >>> scoring_regions("<think>a. b.</think><answer>c</answer>")
+    [(7, 12), (28, 29)]
+    >>> scoring_regions("no tags")
+    [(0, 7)]
+    """
+    regions: list[tuple[int, int]] = []
+    position = 0
+    next_opening: dict[str, re.Match | None] = {}
+    alive = list(names)
+    while alive:
+        for name in alive:
+            cached = next_opening.get(name)
+            if cached is None or cached.start() < position:
+                next_opening[name] = _tag(name, closing=False).search(text, position)
+        alive = [name for name in alive if next_opening[name] is not None]
+        if not alive:
+            break
+        name = min(alive, key=lambda candidate: next_opening[candidate].start())
+        opening = next_opening[name]
+        closing = _tag(name, closing=True).search(text, opening.end())
+        if closing is None:  # no closing tag of this kind anywhere after: this kind can never match again
+            alive.remove(name)
+            continue
+        regions.append((opening.end(), closing.start()))
+        position = closing.end()
+    return regions or [(0, len(text))]
+
+
+def split_region(text: str, start: int, end: int) -> list[tuple[int, int]]:
+    """Sentence spans of text[start:end]: split at `(?<=[.!?])\\s+`, surrounding whitespace trimmed, empties dropped."""
+    region = text[start:end]
+    spans = []
+    piece_start = 0
+    for separator in _SENTENCE_BREAK.finditer(region):
+        spans.append((piece_start, separator.start()))
+        piece_start = separator.end()
+    spans.append((piece_start, len(region)))
+    sentences = []
+    for piece_start, piece_end in spans:
+        piece = region[piece_start:piece_end]
+        stripped = piece.strip()
+        if stripped:
+            leading = len(piece) - len(piece.lstrip())
+            sentences.append((start + piece_start + leading, start + piece_start + leading + len(stripped)))
+    return sentences
+
+
+def split_sentences(text: str) -> list[tuple[int, int]]:
+    """Sentence character spans `(start, end)` over the ORIGINAL text, sorted and non-overlapping.
+
+    Only the content of `<think>` and `<answer>` blocks is split when there is a complete block; otherwise
+    the whole text is. Sentences end at `.`, `!` or `?` followed by whitespace; each span is trimmed of
+    whitespace, so `text[start:end]` is the sentence and only whitespace lies between two spans of a block.
+
+    >>> text = "<think>Paris is in France. It is big!</think><answer>Paris</answer>"
+    >>> [text[start:end] for start, end in split_sentences(text)]
+    ['Paris is in France.', 'It is big!', 'Paris']
+    """
+    sentences: list[tuple[int, int]] = []
+    for start, end in scoring_regions(text):
+        sentences.extend(split_region(text, start, end))
+    return sentences
+
+
+def think_answer_format(text: str, *, min_think_words: int = 3) -> bool:
+    """True for exactly `<think>T</think><answer>A</answer>` (whitespace allowed around and between the
+    blocks, tags case-insensitive) with at least `min_think_words` words in T and a non-empty A.
+
+    >>> think_answer_format("<think>Paris is the capital.</think>\\n<answer>Paris</answer>")
+    True
+    >>> think_answer_format("<think>hmm</think><answer>Paris</answer>")
+    False
+    """
+    tags = {}
+    for name in ("think", "answer"):
+        for closing in (False, True):
+            matches = _tag(name, closing).finditer(text)
+            first = next(matches, None)
+            if first is None or next(matches, None) is not None:
+                return False  # every tag exactly once
+            tags[(name, closing)] = first
+    think_open, think_close = tags[("think", False)], tags[("think", True)]
+    answer_open, answer_close = tags[("answer", False)], tags[("answer", True)]
+    if not (think_open.end() <= think_close.start() and think_close.end() <= answer_open.start()
+            and answer_open.end() <= answer_close.start()):
+        return False
+    outside = text[:think_open.start()] + text[think_close.end():answer_open.start()] + text[answer_close.end():]
+    if outside.strip():
+        return False
+    think = text[think_open.end():think_close.start()]
+    answer = text[answer_open.end():answer_close.start()]
+    return len(re.findall(r"[^\W_]+", think)) >= min_think_words and bool(answer.strip())
+
+
+def load_ground_truth(ground_truth: object) -> object:
+    """A ground truth as a Python value: a dict passes through; a string holding a JSON object or array is
+    decoded; any other string is returned unchanged (a plain answer). Other types raise ValueError.
+
+    >>> load_ground_truth('{"answer": "SUPPORTS"}')
+    {'answer': 'SUPPORTS'}
+    >>> load_ground_truth("Paris;City of Light")
+    'Paris;City of Light'
+    """
+    if isinstance(ground_truth, dict):
+        return ground_truth
+    if not isinstance(ground_truth, str):
+        raise ValueError(f"field 'ground_truth' must be a string or dict, got {type(ground_truth).__name__}")
+    stripped = ground_truth.strip()
+    if stripped[:1] in ("{", "["):
+        try:
+            return json.loads(stripped)
+        except json.JSONDecodeError:
+            pass  # not JSON after all: a plain answer that happens to start with a bracket
+    return ground_truth

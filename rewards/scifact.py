@@ -1,0 +1,195 @@
+"""Evidence-aware claim-verification rewards: `scifact_evidence` (gated, as in the published SciFact recipe)
+and `evidence_qa` (a smooth weighted sum for free-text answers with evidence).
+
+Completion protocol: `<answer>\\nLABEL\\n</answer>\\n\\n<evidence>\\n[1] sentence\\n[2] ...\\n</evidence>`, LABEL in
+SUPPORTS / REFUTES / NOT_ENOUGH_INFO. Ground truth: JSON `{"answer": label, "evidence": [sentence, ...]}`
+(keys `label`/`target` and `evidences`/`gold_evidence` also accepted); a non-JSON string is the answer alone.
+
+Both return `{"score", "format", "answer" (or "answer_f1"), "evidence", "conciseness"}`, every value in [0, 1].
+"""
+from __future__ import annotations
+
+import functools
+import re
+
+from rewards.parsing import TokenBag, bag_f1, extract_block, load_ground_truth, normalize_text, token_bag, token_f1
+
+SUPPORTS, REFUTES, NOT_ENOUGH_INFO = "SUPPORTS", "REFUTES", "NOT_ENOUGH_INFO"
+LABEL_ALIASES = {
+    "SUPPORT": SUPPORTS, "SUPPORTS": SUPPORTS, "SUPPORTED": SUPPORTS,
+    "REFUTE": REFUTES, "REFUTES": REFUTES, "REFUTED": REFUTES, "CONTRADICT": REFUTES, "CONTRADICTS": REFUTES,
+    "NOT_ENOUGH_INFO": NOT_ENOUGH_INFO, "NEI": NOT_ENOUGH_INFO,
+}
+ANSWER_KEYS = ("answer", "label", "target")
+EVIDENCE_KEYS = ("evidence", "evidences", "gold_evidence")
+MAX_CONCISE_ITEMS = 5
+NEI_SHORT_ITEMS, NEI_SHORT_WORDS = 2, 20
+EVIDENCE_CAP_BELOW, CAPPED_SCORE = 0.2, 0.25
+_ITEM_NUMBER = re.compile(r"^\[\d+\]\s*")
+_ITEM_BULLET = re.compile(r"^[-*]\s+")
+
+
+def normalize_label(text: str) -> str:
+    """normalize_text, upper-case, spaces to `_`, then the alias table; an unknown label is returned as is.
+
+    >>> [normalize_label(x) for x in ("supported", "Not enough info", "CONTRADICT", "nei", "maybe")]
+    ['SUPPORTS', 'NOT_ENOUGH_INFO', 'REFUTES', 'NOT_ENOUGH_INFO', 'MAYBE']
+    """
+    if len(text) <= 64:  # labels are few distinct short strings: cache them, never long junk
+        return _normalize_short_label(text)
+    label = normalize_text(text).upper().replace(" ", "_")
+    return LABEL_ALIASES.get(label, label)
+
+
+@functools.lru_cache(maxsize=4096)
+def _normalize_short_label(text: str) -> str:
+    label = normalize_text(text).upper().replace(" ", "_")
+    return LABEL_ALIASES.get(label, label)
+
+
+def evidence_items(block: str | None) -> list[str]:
+    """Evidence lines of an `<evidence>` block: non-empty lines, each without a leading `[n] ` and then a
+    leading `- ` or `* `; when every line empties, the whole stripped block is one item; no block, no items.
+
+    >>> evidence_items("\\n[1] First fact.\\n[2] - Second fact.\\n\\n")
+    ['First fact.', 'Second fact.']
+    >>> evidence_items("[1]"), evidence_items(None)
+    (['[1]'], [])
+    """
+    if block is None:
+        return []
+    stripped = block.strip()
+    items = []
+    for line in stripped.splitlines():
+        item = line.strip()
+        if item[:1] in ("[", "-", "*"):  # most lines have no marker: skip the two regexes for them
+            item = _ITEM_BULLET.sub("", _ITEM_NUMBER.sub("", item)).strip()
+        if item:
+            items.append(item)
+    if not items and stripped:
+        items = [stripped]
+    return items
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_cached(ground_truth: str) -> tuple[str, tuple[TokenBag, ...]]:
+    return _parse(ground_truth)
+
+
+def _parse(ground_truth: object) -> tuple[str, tuple[TokenBag, ...]]:
+    """(answer text, gold evidence items as token bags); ValueError names a bad field."""
+    value = load_ground_truth(ground_truth)
+    if isinstance(value, str):
+        return value, ()
+    if not isinstance(value, dict):
+        raise ValueError(f"field 'ground_truth' must be a JSON object or a plain answer, got {type(value).__name__}")
+    answer_key = next((key for key in ANSWER_KEYS if key in value), None)
+    if answer_key is None or not isinstance(value[answer_key], str):
+        raise ValueError(f"field 'answer' (or 'label'/'target') must be a string in ground truth {value!r:.200}")
+    evidence_key = next((key for key in EVIDENCE_KEYS if key in value), None)
+    evidence = value[evidence_key] if evidence_key else []
+    if evidence is None:
+        evidence = []
+    if isinstance(evidence, str):
+        evidence = [evidence]
+    if not isinstance(evidence, list) or not all(isinstance(item, str) for item in evidence):
+        raise ValueError(f"field '{evidence_key}' must be a list of strings in ground truth {value!r:.200}")
+    bags = (token_bag(item) for item in evidence)
+    return value[answer_key], tuple(bag for bag in bags if bag.length)
+
+
+def parse_ground_truth(ground_truth: object) -> tuple[str, tuple[TokenBag, ...]]:
+    """Parsed (cached for strings: the G completions of a prompt share one ground truth)."""
+    if isinstance(ground_truth, str):
+        return _parse_cached(ground_truth)
+    return _parse(ground_truth)
+
+
+def evidence_score(items: list[str], gold: tuple[TokenBag, ...]) -> float:
+    """Mean over predicted items of the best token F1 against any gold item; 0 if either side is empty."""
+    if not items or not gold:
+        return 0.0
+    total = 0.0
+    for item in items:
+        bag = token_bag(item)
+        total += max(bag_f1(bag, gold_bag) for gold_bag in gold)
+    return total / len(items)
+
+
+def _completion_parts(solution_str: str) -> tuple[str | None, list[str], float, float]:
+    """(answer text or None, evidence items, format, conciseness)."""
+    answer = extract_block(solution_str, "answer")
+    evidence = extract_block(solution_str, "evidence")
+    items = evidence_items(evidence)
+    format_score = ((answer is not None) + (evidence is not None)) / 2
+    conciseness = 1.0 if 1 <= len(items) <= MAX_CONCISE_ITEMS else 0.0
+    return answer, items, format_score, conciseness
+
+
+def gated_score(format_score: float, gold_label: str, predicted_label: str, answer: float,
+                evidence: float, conciseness: float, items: list[str]) -> float:
+    """The published SciFact gate (issue 3): see scifact_evidence_reward for the branches."""
+    if format_score < 1:
+        return 0.0
+    if gold_label == NOT_ENOUGH_INFO:
+        if not items:
+            nei_evidence = 1.0
+        elif len(items) <= NEI_SHORT_ITEMS and all(
+                len(normalize_text(item).split()) <= NEI_SHORT_WORDS for item in items):
+            nei_evidence = 0.5
+        else:
+            nei_evidence = 0.0
+        return 0.8 * answer + 0.2 * nei_evidence
+    if predicted_label == NOT_ENOUGH_INFO:  # a hedge on a decidable claim earns almost nothing
+        return 0.05
+    score = 0.35 * answer + 0.55 * evidence + 0.10 * conciseness
+    if evidence < EVIDENCE_CAP_BELOW:  # a right label without grounded evidence is capped
+        score = min(score, CAPPED_SCORE)
+    return score
+
+
+def scifact_evidence_reward(data_source: str, solution_str: str, ground_truth: object,
+                            extra_info: dict | None = None) -> dict:
+    """The SciFact evidence reward, score in [0, 1].
+
+    Components: format (1 both blocks, 0.5 one, 0 none), answer (labels equal after aliasing), evidence
+    (mean best token F1 of predicted items against gold items), conciseness (1 for 1..5 items).
+    Score: 0 when format < 1; gold NOT_ENOUGH_INFO -> 0.8*answer + 0.2*nei_evidence (1 no items, 0.5 for
+    at most 2 items of at most 20 words, else 0); gold SUPPORTS/REFUTES predicted NOT_ENOUGH_INFO -> 0.05;
+    otherwise 0.35*answer + 0.55*evidence + 0.10*conciseness, capped at 0.25 when evidence < 0.2.
+    ValueError when the gold label is not one of the three labels (after aliasing).
+
+    >>> gold = '{"answer": "SUPPORTS", "evidence": ["Vitamin D lowers fracture risk in older adults."]}'
+    >>> text = "<answer>\\nSUPPORTS\\n</answer>\\n\\n<evidence>\\n[1] Vitamin D lowers fracture risk.\\n</evidence>"
+    >>> result = scifact_evidence_reward("scifact_evidence", text, gold)
+    >>> round(result["evidence"], 4), round(result["score"], 4)
+    (0.7692, 0.8731)
+    """
+    gold_text, gold = parse_ground_truth(ground_truth)
+    gold_label = normalize_label(gold_text)
+    if gold_label not in (SUPPORTS, REFUTES, NOT_ENOUGH_INFO):
+        raise ValueError(f"field 'answer' of the ground truth is {gold_text!r}; expected SUPPORTS, REFUTES or "
+                         f"NOT_ENOUGH_INFO (or an alias: {sorted(LABEL_ALIASES)})")
+    answer_text, items, format_score, conciseness = _completion_parts(solution_str)
+    predicted_label = normalize_label(answer_text.strip()) if answer_text is not None else ""
+    answer = 1.0 if predicted_label == gold_label else 0.0
+    evidence = evidence_score(items, gold)
+    score = gated_score(format_score, gold_label, predicted_label, answer, evidence, conciseness, items)
+    return {"score": score, "format": format_score, "answer": answer, "evidence": evidence, "conciseness": conciseness}
+
+
+def evidence_qa_reward(data_source: str, solution_str: str, ground_truth: object,
+                       extra_info: dict | None = None) -> dict:
+    """Free-text answer with evidence, score in [0, 1]:
+    `0.45*answer_f1 + 0.35*evidence + 0.15*format + 0.05*conciseness` (no gate; answer_f1 is token F1).
+
+    >>> evidence_qa_reward("evidence_qa", "<answer>Paris</answer>", '{"answer": "Paris", "evidence": []}')["score"]
+    0.525
+    """
+    gold_text, gold = parse_ground_truth(ground_truth)
+    answer_text, items, format_score, conciseness = _completion_parts(solution_str)
+    answer_f1 = token_f1(answer_text.strip(), gold_text) if answer_text is not None else 0.0
+    evidence = evidence_score(items, gold)
+    score = 0.45 * answer_f1 + 0.35 * evidence + 0.15 * format_score + 0.05 * conciseness
+    return {"score": score, "format": format_score, "answer_f1": answer_f1, "evidence": evidence,
+            "conciseness": conciseness}

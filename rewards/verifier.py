@@ -1,0 +1,121 @@
+"""Answer-equivalence verifier reward (`verifier`): 1 when the verifier's parsed judgment agrees with the
+gold label (A = correct versus B/C = incorrect or no usable answer), else 0.
+
+The verifier reads a question, a reference answer and a candidate answer (prompt: templates/verifier.txt,
+rendered by verifier_prompt) and ends with `Final Judgment: \\boxed{A}`. The DAPO overlong penalty is not
+applied here: the trainer adds grpo.shaping's penalty from token lengths. Returned keys: score, correct
+(the same 0/1), parsed (1 when a judgment was found), judged_a, judged_b, judged_c (one-hot, 0 if unparsed).
+"""
+from __future__ import annotations
+
+import re
+from importlib import resources
+
+from rewards.parsing import load_ground_truth
+
+JUDGMENTS = ("A", "B", "C")
+LABEL_KEYS = ("label", "judgment", "answer", "target")
+# Gold labels in words, e.g. from xVerify-style data; B and C both count as "not correct".
+_WORD_LABELS = {"CORRECT": "A", "TRUE": "A", "INCORRECT": "B", "FALSE": "B", "INCOMPLETE": "C"}
+_FINAL_JUDGMENT = re.compile(r"final\s+judge?ment", re.IGNORECASE)
+_BARE_LETTER = re.compile(r"\s*[:：]?\s*[*_`$(\[]*\s*([ABC])(?![A-Za-z0-9])")
+_XVERIFY = re.compile(r"\[(correct|incorrect)\]", re.IGNORECASE)
+_LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
+_BOXED_LETTER = re.compile(r"\(?([ABC])\)?(?![A-Za-z0-9])")
+_MAX_BOXED_CHARS = 200
+_PLACEHOLDER = re.compile(r"\{(question|reference|candidate)\}")
+
+
+def verifier_template() -> str:
+    """The verifier prompt template shipped as package data (placeholders {question} {reference} {candidate})."""
+    return resources.files("rewards").joinpath("templates/verifier.txt").read_text(encoding="utf-8")
+
+
+def verifier_prompt(question: str, reference: str, candidate: str) -> str:
+    """The template with the three fields filled in one pass (a field's text is never re-substituted)."""
+    values = {"question": question, "reference": reference, "candidate": candidate}
+    return _PLACEHOLDER.sub(lambda match: values[match.group(1)], verifier_template())
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` with balanced braces (at most 200 characters), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth = 0
+    content_start = start + len("\\boxed{")
+    for position in range(content_start, min(len(text), content_start + _MAX_BOXED_CHARS)):
+        character = text[position]
+        if character == "{":
+            depth += 1
+        elif character == "}":
+            if depth == 0:
+                return text[content_start:position]
+            depth -= 1
+    return None
+
+
+def parse_judgment(text: str) -> str | None:
+    """"A", "B", "C" or None, tried in order: the last `\\boxed{X}` (`\\text{A}`, `(A)`, `A: ...` accepted);
+    else the letter right after the last "Final Judgment:"; else the last xVerify `[Correct]`/`[Incorrect]`.
+
+    >>> texts = ("\\\\boxed{B} then \\\\boxed{\\\\text{A}}", "Final Judgment: C.", "[Incorrect]", "A")
+    >>> [parse_judgment(text) for text in texts]
+    ['A', 'C', 'B', None]
+    """
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        cleaned = _LATEX_COMMAND.sub("", boxed).replace("{", "").replace("}", "").strip()
+        letter = _BOXED_LETTER.match(cleaned)
+        if letter is not None:
+            return letter.group(1)
+    last_marker = None
+    for last_marker in _FINAL_JUDGMENT.finditer(text):
+        pass
+    if last_marker is not None:
+        bare = _BARE_LETTER.match(text, last_marker.end())
+        if bare is not None:
+            return bare.group(1)
+    last_tag = None
+    for last_tag in _XVERIFY.finditer(text):
+        pass
+    if last_tag is not None:
+        return "A" if last_tag.group(1).lower() == "correct" else "B"
+    return None
+
+
+def gold_judgment(ground_truth: object) -> str:
+    """The gold label as A/B/C from "A"/"B"/"C", "correct"/"incorrect"/"incomplete", true/false, or a JSON
+    object with one of the keys label/judgment/answer/target; ValueError naming the field otherwise."""
+    value = load_ground_truth(ground_truth)
+    field = "ground_truth"
+    if isinstance(value, dict):
+        field = next((key for key in LABEL_KEYS if key in value), None)
+        if field is None:
+            raise ValueError(f"field 'label' (or {LABEL_KEYS[1:]}) missing from verifier ground truth {value!r:.200}")
+        value = value[field]
+    if isinstance(value, bool):
+        return "A" if value else "B"
+    if isinstance(value, str):
+        label = value.strip().strip("[]().").upper()
+        label = _WORD_LABELS.get(label, label)
+        if label in JUDGMENTS:
+            return label
+    raise ValueError(f"field '{field}' of the verifier ground truth must be A, B, C, correct, incorrect, "
+                     f"incomplete or a boolean; got {value!r:.200}")
+
+
+def verifier_reward(data_source: str, solution_str: str, ground_truth: object, extra_info: dict | None = None) -> dict:
+    """1 when the parsed judgment is on the same side (A versus B/C) as the gold label, else 0 (and 0 when
+    nothing parses).
+
+    >>> verifier_reward("verifier", "The forms are equal. Final Judgment: \\\\boxed{A}", "A")["score"]
+    1.0
+    >>> verifier_reward("verifier", "Final Judgment: \\\\boxed{C}", "B")["score"]
+    1.0
+    """
+    gold = gold_judgment(ground_truth)
+    judged = parse_judgment(solution_str)
+    correct = 1.0 if judged is not None and (judged == "A") == (gold == "A") else 0.0
+    return {"score": correct, "correct": correct, "parsed": 1.0 if judged is not None else 0.0,
+            "judged_a": float(judged == "A"), "judged_b": float(judged == "B"), "judged_c": float(judged == "C")}
