@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test
+.PHONY: test demo
 
 $(STAMP): setup.py Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,3 +18,7 @@ $(STAMP): setup.py Makefile
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# SFT then GRPO on the embedded SmolLM2-135M-Instruct, on the generated evidence task (launch/demo.py).
+demo: $(STAMP)
+	$(BIN)/python -m launch.demo

@@ -158,6 +158,8 @@ def train_rl(cfg, dist, parts) -> dict:
                                sync_info=sync_info)
         metrics["shaped_token_frac"] = shaped_fraction  # is the sentence reward touching any token?
         metrics = reduce_metrics(metrics, dist)
+        if metrics["flat_group_frac"] == 1.0 and algo.kl_coef == 0:
+            log.warn(f"step {step + 1}: zero learning signal -- every group's rewards are identical")
         for key, threshold in (("truncation_rate", tcfg.warn_truncation), ("flat_group_frac", tcfg.warn_flat_groups)):
             streaks[key] = streaks[key] + 1 if metrics[key] > threshold else 0
             if streaks[key] >= tcfg.warn_after_steps:

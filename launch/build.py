@@ -180,6 +180,11 @@ def build(cfg: Config, dist, *, resume: bool = False) -> Parts:
                  description=cfg.stage)
 
     def save(step: int) -> None:
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+        bad = dist.all_reduce_max(torch.tensor(float(not all(bool(torch.isfinite(p).all()) for p in local)),
+                                               device=dist.device))
+        if bool(bad > 0):
+            raise RuntimeError(f"refusing to write checkpoint step_{step}: the model has non-finite weights")
         # Ranks consume prompts at different rates under dynamic sampling: keep every rank's position.
         one_hot = torch.zeros(dist.world_size, dtype=torch.float64, device=dist.device)
         one_hot[dist.rank] = sampler.position

@@ -1,0 +1,247 @@
+"""Evaluation metrics per data source, as pure functions of completions and ground truths: the published
+tables' numbers for SciFact evidence, corpus-grounded factual QA and the answer verifier.
+
+A record (one evaluated row): `{"data_source", "completion", "ground_truth", "extra_info" (optional),
+"completion_tokens" (optional), "finish_reason" (optional), "reward" (optional)}`. `score_example(record)`
+gives its per-example fields (what launch.eval writes to predictions.jsonl); `summarize(scored records)`
+aggregates them per data source. A rate whose denominator is empty is 0.0 (as in the official SciFact
+scorer's safe division), so every metric is a number.
+
+Parsing reuses the rewards' own parsers, so evaluation reads a completion exactly as training rewards it.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from rewards.factqa import judge_answer, normalize_answer, parse_aliases
+from rewards.parsing import extract_block, load_ground_truth, normalize_text, think_answer_format
+from rewards.scifact import (ANSWER_KEYS, EVIDENCE_KEYS, NOT_ENOUGH_INFO, REFUTES, SUPPORTS, evidence_items,
+                             normalize_label)
+from rewards.verifier import gold_judgment, parse_judgment
+
+SCIFACT, FACTQA, VERIFIER = "scifact_evidence", "factqa_corpus", "verifier"
+LABELS = (SUPPORTS, REFUTES, NOT_ENOUGH_INFO)
+# Relaxed mode: the first of these words anywhere in the text is the label (aliases as in the reward).
+_LABEL_WORD = re.compile(r"\b(?:not[\s_-]+enough[\s_-]+info(?:rmation)?|nei|supports?|supported|refutes?|refuted|"
+                         r"contradicts?)\b", re.IGNORECASE)
+
+
+def _rate(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator else 0.0
+
+
+def scifact_gold(ground_truth: object) -> tuple[str, list[str]]:
+    """(gold label, gold evidence sentences) from `{"answer": LABEL, "evidence": [...]}` (or the reward's
+    other key names); ValueError naming the field when the label is missing or not one of the three."""
+    value = load_ground_truth(ground_truth)
+    if isinstance(value, str):
+        value = {"answer": value}
+    if not isinstance(value, dict):
+        raise ValueError(f"scifact ground truth must be a JSON object, got {ground_truth!r:.200}")
+    answer_key = next((key for key in ANSWER_KEYS if key in value), "answer")
+    label = normalize_label(value[answer_key]) if isinstance(value.get(answer_key), str) else None
+    if label not in LABELS:
+        raise ValueError(f"field {answer_key!r} of the scifact ground truth must be one of {LABELS}, "
+                         f"got {value.get(answer_key)!r:.100}")
+    evidence_key = next((key for key in EVIDENCE_KEYS if key in value), None)
+    evidence = value.get(evidence_key) if evidence_key else None
+    evidence = [evidence] if isinstance(evidence, str) else (evidence or [])
+    if not isinstance(evidence, list) or not all(isinstance(item, str) for item in evidence):
+        raise ValueError(f"field {evidence_key!r} of the scifact ground truth must be a list of strings")
+    return label, evidence
+
+
+def relaxed_label(text: str) -> str | None:
+    """The first label word anywhere in the text (aliases and case accepted), or None. Deliberately crude,
+    for models that ignore the format: negation is not read ("not supported" counts as SUPPORTS).
+
+    >>> relaxed_label("I think the text clearly refutes it, it does not support it"), relaxed_label("no idea")
+    ('REFUTES', None)
+    """
+    match = _LABEL_WORD.search(text)
+    if match is None:
+        return None
+    # "not enough information" is not in the reward's alias table (strict mode rejects it); here it counts.
+    return NOT_ENOUGH_INFO if match.group(0).lower().startswith("not") else normalize_label(match.group(0))
+
+
+def scifact_example(completion: str, ground_truth: object, *, relaxed: bool = False) -> dict:
+    """Per-example SciFact fields. Strict: the label is the `<answer>` block's content when it is one of
+    the three labels (after the reward's alias table), else None. Relaxed: that label when valid, else
+    `relaxed_label` of the whole text. Evidence is always the strict parse of the `<evidence>` block
+    (reward's evidence_items); an item matches a gold sentence when their normalize_text forms are equal,
+    each gold sentence matched at most once.
+
+    >>> gold = '{"answer": "SUPPORTS", "evidence": ["The sky is blue."]}'
+    >>> text = "<answer>\\nSUPPORTS\\n</answer>\\n<evidence>\\n[1] the sky is BLUE\\n</evidence>"
+    >>> fields = scifact_example(text, gold)
+    >>> fields["correct"], fields["format_ok"], fields["evidence_matched"], fields["evidence_predicted"]
+    (True, True, 1, 1)
+    """
+    gold_label, gold_evidence = scifact_gold(ground_truth)
+    answer = extract_block(completion, "answer")
+    evidence_block = extract_block(completion, "evidence")
+    block_label = normalize_label(answer.strip()) if answer is not None else None
+    label = block_label if block_label in LABELS else None
+    if relaxed and label is None:
+        label = relaxed_label(completion)
+    items = evidence_items(evidence_block)
+    remaining: dict[str, int] = {}
+    for sentence in gold_evidence:
+        key = normalize_text(sentence)
+        remaining[key] = remaining.get(key, 0) + 1
+    matched = 0
+    for item in items:
+        key = normalize_text(item)
+        if remaining.get(key, 0) > 0:
+            remaining[key] -= 1
+            matched += 1
+    return {
+        "predicted_label": label,
+        "gold_label": gold_label,
+        "correct": label == gold_label,
+        "format_ok": evidence_block is not None and block_label in LABELS,
+        "evidence_predicted": len(items),
+        "evidence_gold": len(gold_evidence),
+        "evidence_matched": matched,
+        "unsupported": label in (SUPPORTS, REFUTES) and not items,
+    }
+
+
+def scifact_metrics(examples: list[dict]) -> dict:
+    """answer_accuracy; evidence_precision / evidence_recall / evidence_f1 micro-averaged over the data set
+    (matched, predicted and gold item counts summed over every example, NOT_ENOUGH_INFO ones included, so
+    evidence offered for an NEI claim lowers precision); format_rate (both blocks and a valid label);
+    unsupported_rate (SUPPORTS/REFUTES predictions with no evidence item, over SUPPORTS/REFUTES
+    predictions); nei_rate (NOT_ENOUGH_INFO predictions over all); no_label_rate (no label found)."""
+    count = len(examples)
+    matched = sum(example["evidence_matched"] for example in examples)
+    precision = _rate(matched, sum(example["evidence_predicted"] for example in examples))
+    recall = _rate(matched, sum(example["evidence_gold"] for example in examples))
+    decisive = [example for example in examples if example["predicted_label"] in (SUPPORTS, REFUTES)]
+    return {
+        "answer_accuracy": _rate(sum(example["correct"] for example in examples), count),
+        "evidence_precision": precision,
+        "evidence_recall": recall,
+        "evidence_f1": _rate(2 * precision * recall, precision + recall),
+        "format_rate": _rate(sum(example["format_ok"] for example in examples), count),
+        "unsupported_rate": _rate(sum(example["unsupported"] for example in decisive), len(decisive)),
+        "nei_rate": _rate(sum(example["predicted_label"] == NOT_ENOUGH_INFO for example in examples), count),
+        "no_label_rate": _rate(sum(example["predicted_label"] is None for example in examples), count),
+    }
+
+
+def factqa_example(completion: str, ground_truth: object, *, relaxed: bool = False) -> dict:
+    """Per-example factual-QA fields. The answer is the `<answer>` block (relaxed: the whole completion
+    when there is no block, a lenient upper bound). Attempted: a non-empty answer that is not a refusal;
+    correct: the reward's judge accepts it (an alias equals, contains or is contained in it at word
+    boundaries); format_ok: the reward's `<think>`/`<answer>` format check.
+
+    >>> factqa_example("<think>It is the capital of France.</think><answer>Paris</answer>", "Paris;City of Light")
+    {'answer': 'Paris', 'attempted': True, 'correct': True, 'format_ok': True}
+    >>> factqa_example("<answer>I don't know</answer>", "Paris")["attempted"]
+    False
+    """
+    aliases = parse_aliases(ground_truth)
+    answer = extract_block(completion, "answer")
+    if relaxed and answer is None:
+        answer = completion
+    answer = answer.strip() if answer is not None else None
+    # The judge against the answer itself accepts exactly the non-empty non-refusals: one definition of a
+    # refusal (the reward's), not a copy of its list.
+    attempted = answer is not None and judge_answer(answer, [normalize_answer(answer)]) > 0
+    return {"answer": answer, "attempted": attempted, "correct": attempted and judge_answer(answer, aliases) > 0,
+            "format_ok": think_answer_format(completion)}
+
+
+def factqa_metrics(examples: list[dict]) -> dict:
+    """correct / incorrect / not_attempted rates over all (they sum to 1); precision = correct / attempted,
+    recall = correct / total (= correct_rate), f1 = 2PR/(P+R) (SimpleQA's F-score); format_rate."""
+    count = len(examples)
+    correct = sum(example["correct"] for example in examples)
+    attempted = sum(example["attempted"] for example in examples)
+    precision, recall = _rate(correct, attempted), _rate(correct, count)
+    return {
+        "correct_rate": recall,
+        "incorrect_rate": _rate(attempted - correct, count),
+        "not_attempted_rate": _rate(count - attempted, count),
+        "precision": precision,
+        "recall": recall,
+        "f1": _rate(2 * precision * recall, precision + recall),
+        "format_rate": _rate(sum(example["format_ok"] for example in examples), count),
+    }
+
+
+def verifier_example(completion: str, ground_truth: object, extra_info: dict | None = None,
+                     completion_tokens: int | None = None) -> dict:
+    """Per-example verifier fields: the parsed judgment (the reward's parser, already lenient, so relaxed
+    mode changes nothing here), correct when it is on the gold side of A versus B/C, the domain from
+    extra_info["domain"] (None when absent) and the judgment's length in tokens.
+
+    >>> verifier_example("They match. Final Judgment: \\\\boxed{C}", "B", {"domain": "math"}, 9)
+    {'judgment': 'C', 'gold_judgment': 'B', 'correct': True, 'domain': 'math', 'judgment_tokens': 9}
+    """
+    gold = gold_judgment(ground_truth)
+    judged = parse_judgment(completion)
+    domain = extra_info.get("domain") if isinstance(extra_info, dict) else None
+    return {"judgment": judged, "gold_judgment": gold,
+            "correct": judged is not None and (judged == "A") == (gold == "A"),
+            "domain": domain if isinstance(domain, str) else None, "judgment_tokens": completion_tokens}
+
+
+def verifier_metrics(examples: list[dict]) -> dict:
+    """accuracy; parse_rate (a judgment was found); judgment_tokens_mean (over examples with a length);
+    domain_accuracy {domain: accuracy} when any example has a domain (the others under "none")."""
+    count = len(examples)
+    lengths = [example["judgment_tokens"] for example in examples if example["judgment_tokens"] is not None]
+    metrics = {
+        "accuracy": _rate(sum(example["correct"] for example in examples), count),
+        "parse_rate": _rate(sum(example["judgment"] is not None for example in examples), count),
+        "judgment_tokens_mean": _rate(sum(lengths), len(lengths)),
+    }
+    if any(example["domain"] is not None for example in examples):
+        by_domain: dict[str, list[bool]] = {}
+        for example in examples:
+            by_domain.setdefault(example["domain"] or "none", []).append(example["correct"])
+        metrics["domain_accuracy"] = {domain: _rate(sum(values), len(values))
+                                      for domain, values in sorted(by_domain.items())}
+    return metrics
+
+
+def score_example(record: dict, *, relaxed: bool = False) -> dict:
+    """The per-example fields of one record for its data source ({} for a source with no task metrics)."""
+    source, completion, ground_truth = record["data_source"], record["completion"], record["ground_truth"]
+    if source == SCIFACT:
+        return scifact_example(completion, ground_truth, relaxed=relaxed)
+    if source == FACTQA:
+        return factqa_example(completion, ground_truth, relaxed=relaxed)
+    if source == VERIFIER:
+        return verifier_example(completion, ground_truth, record.get("extra_info"), record.get("completion_tokens"))
+    return {}
+
+
+TASK_METRICS = {SCIFACT: scifact_metrics, FACTQA: factqa_metrics, VERIFIER: verifier_metrics}
+
+
+def summarize(scored: Iterable[dict]) -> dict[str, dict]:
+    """{data_source: metrics} over records that carry score_example's fields, sources in order of first
+    appearance. Every source gets count, then its task metrics, then reward_mean / truncation_rate /
+    completion_tokens_mean when every one of its records has reward / finish_reason / completion_tokens."""
+    groups: dict[str, list[dict]] = {}
+    for record in scored:
+        groups.setdefault(record["data_source"], []).append(record)
+    summary = {}
+    for source, records in groups.items():
+        count = len(records)
+        metrics: dict = {"count": count}
+        if source in TASK_METRICS:
+            metrics.update(TASK_METRICS[source](records))
+        if all(record.get("reward") is not None for record in records):
+            metrics["reward_mean"] = sum(record["reward"] for record in records) / count
+        if all(record.get("finish_reason") is not None for record in records):
+            metrics["truncation_rate"] = sum(record["finish_reason"] == "length" for record in records) / count
+        if all(record.get("completion_tokens") is not None for record in records):
+            metrics["completion_tokens_mean"] = sum(record["completion_tokens"] for record in records) / count
+        summary[source] = metrics
+    return summary

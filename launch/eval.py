@@ -1,0 +1,291 @@
+"""Full evaluation of a model on row files: greedy completions, the published tables' metrics per data source
+(data/metrics.py), per-example predictions, and markdown tables that compare several evaluated runs.
+
+    python -m launch.eval --model runs/demo/grpo --data runs/demo/data/heldout.jsonl --out runs/demo/eval_grpo
+    python -m launch.eval --model default --data dev.jsonl --out eval/base --relaxed --limit 100
+    python -m launch.eval compare eval/base runs/demo/eval_sft runs/demo/eval_grpo --out table.md
+
+--model: an HF model directory, a run directory (its latest complete checkpoint), "default" (the embedded
+SmolLM2-135M-Instruct) or an org/name already in the local Hugging Face cache. OUT gets metrics.json,
+predictions.jsonl (one line per row: prompt, completion, reward, parsed fields) and report.md.
+Token counts are generated tokens, the end-of-sequence token included.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from data.jsonio import atomic_write_text
+from data.metrics import FACTQA, score_example, summarize
+
+DEFAULT_BATCH_SIZE = 16
+
+
+def resolve_model(spec: str) -> Path | None:
+    """The directory to load: None for "default"; a model directory (config.json) as it is; a run directory
+    -> its latest complete checkpoint. Anything else goes to models.resolve_model_dir (local HF cache)."""
+    from models import resolve_model_dir
+    from models.checkpoint import latest_checkpoint
+
+    if spec == "default":
+        return None
+    path = Path(spec).expanduser()
+    if not path.exists():
+        return resolve_model_dir(spec)  # an org/name in the local cache, or a FileNotFoundError naming the path
+    if not path.is_dir():
+        raise ValueError(f"--model {path} is a file; give an HF model directory, a run directory or 'default'")
+    if (path / "config.json").is_file():
+        return resolve_model_dir(path)
+    if (path / "checkpoints").is_dir() or any(path.glob("step_*")):
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise FileNotFoundError(f"--model {path}: run directory without a complete checkpoint "
+                                    f"(no step_<n>/ with a COMPLETE marker under {path / 'checkpoints'})")
+        return latest
+    raise FileNotFoundError(f"--model {path}: neither a model directory (no config.json) nor a run directory "
+                            "(no checkpoints/)")
+
+
+def read_data(paths: list[str], limit: int | None) -> list[dict]:
+    """Records (file, row, data_source, ground_truth, extra_info, prompt messages) of every file, the first
+    `limit` rows of each; every file is read and checked before anything runs."""
+    from data.rows import read_rows
+
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be at least 1, got {limit}")
+    records = []
+    for path in paths:
+        rows = read_rows(path)[:limit]
+        for number, row in enumerate(rows, start=1):
+            record = {"file": str(path), "row": number, "index": (row.get("extra_info") or {}).get("index"),
+                      "data_source": row["data_source"], "ground_truth": row["reward_model"]["ground_truth"],
+                      "extra_info": row.get("extra_info") or {}, "messages": row["prompt"]}
+            try:  # a bad ground truth fails now, naming its row, not after an hour of generation
+                score_example({**record, "completion": ""})
+            except ValueError as error:
+                raise ValueError(f"{path} row {number}: {error}") from None
+            records.append(record)
+    return records
+
+
+def reward_sources(records: list[dict]) -> set[str]:
+    """Data sources whose reward can be computed here. factqa_corpus needs a corpus index (set through
+    extra_info or the environment): without one its reward is left out and said so, not scored as 0."""
+    import rewards
+    from rewards.factqa import INDEX_ENV
+
+    available = set()
+    for source in dict.fromkeys(record["data_source"] for record in records):
+        if source == FACTQA and not os.environ.get(INDEX_ENV) and not all(
+                record["extra_info"].get("corpus_index") for record in records if record["data_source"] == source):
+            print(f"note: no corpus index ({INDEX_ENV}): no reward_mean for {source}", file=sys.stderr)
+            continue
+        try:
+            rewards.get_reward(source)
+        except ValueError:
+            print(f"note: no reward function for data source {source!r}: no reward_mean for it", file=sys.stderr)
+            continue
+        available.add(source)
+    return available
+
+
+def generate(engine, prompt_ids: list[list[int]], *, max_new_tokens: int, batch_size: int) -> list:
+    """Greedy completions in prompt order; batches hold prompts of similar length (less left padding)."""
+    from tqdm import tqdm
+
+    order = sorted(range(len(prompt_ids)), key=lambda i: -len(prompt_ids[i]))
+    completions: list = [None] * len(prompt_ids)
+    for start in tqdm(range(0, len(order), batch_size), desc="eval", file=sys.stderr, disable=None):
+        chunk = order[start:start + batch_size]
+        outputs = engine.generate([prompt_ids[i] for i in chunk], n=1, max_new_tokens=max_new_tokens,
+                                  temperature=0.0, top_p=1.0, top_k=0, stop=[], seed=0)
+        for i, completion in zip(chunk, outputs):
+            completions[i] = completion
+    return completions
+
+
+def evaluate_records(engine, tokenizer, records: list[dict], *, max_new_tokens: int, batch_size: int,
+                     relaxed: bool = False) -> tuple[list[dict], dict]:
+    """(predictions, {data_source: metrics}): each record completed greedily, rewarded, and scored."""
+    import rewards
+    from models import render_prompt
+
+    prompt_ids = [render_prompt(tokenizer, record["messages"]) for record in records]
+    context = getattr(engine, "max_context", None) or getattr(engine, "max_model_len", None)
+    for record, ids in zip(records, prompt_ids):
+        if context is not None and len(ids) >= context:
+            raise ValueError(f"{record['file']} row {record['row']}: the prompt has {len(ids)} tokens, the model's "
+                             f"context holds {context}")
+    with_reward = reward_sources(records)
+    completions = generate(engine, prompt_ids, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    predictions = []
+    for record, ids, completion in zip(records, prompt_ids, completions):
+        reward = None
+        if record["data_source"] in with_reward:
+            result = rewards.compute_score(record["data_source"], completion.text, record["ground_truth"],
+                                           record["extra_info"])
+            reward = float(result["score"] if isinstance(result, dict) else result)
+        prediction = {key: record[key] for key in ("file", "row", "index", "data_source")}
+        prediction.update(prompt=record["messages"][-1]["content"], prompt_tokens=len(ids), completion=completion.text,
+                          completion_tokens=len(completion.completion_ids), finish_reason=completion.finish_reason,
+                          ground_truth=record["ground_truth"], reward=reward)
+        prediction.update(score_example({**prediction, "extra_info": record["extra_info"]}, relaxed=relaxed))
+        predictions.append(prediction)
+    return predictions, summarize(predictions)
+
+
+def _format(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool) or isinstance(value, int):
+        return str(int(value))
+    if isinstance(value, float):
+        return f"{value:.1f}" if abs(value) >= 10 else f"{value:.3f}"
+    return str(value)
+
+
+def _flatten(metrics: dict) -> dict:
+    """Nested metrics (domain_accuracy) become columns `domain_accuracy[math]`."""
+    flat = {}
+    for key, value in metrics.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}[{inner}]": inner_value for inner, inner_value in value.items()})
+        else:
+            flat[key] = value
+    return flat
+
+
+def markdown_tables(runs: dict[str, dict[str, dict]]) -> str:
+    """{run name: {data_source: metrics}} -> one markdown table per data source (a row per run that has
+    it, a column per metric, columns in order of first appearance)."""
+    sources = list(dict.fromkeys(source for metrics in runs.values() for source in metrics))
+    sections = []
+    for source in sources:
+        rows = {name: _flatten(metrics[source]) for name, metrics in runs.items() if source in metrics}
+        columns = list(dict.fromkeys(key for flat in rows.values() for key in flat))
+        lines = [f"### {source}", "", "| model | " + " | ".join(columns) + " |",
+                 "|---|" + "---:|" * len(columns)]
+        for name, flat in rows.items():
+            lines.append(f"| {name} | " + " | ".join(_format(flat.get(column)) for column in columns) + " |")
+        sections.append("\n".join(lines))
+    return "\n\n".join(sections) + "\n"
+
+
+def load_evaluation(directory: str | os.PathLike) -> dict:
+    """The metrics.json a `launch.eval` run wrote into `directory` (or the file itself)."""
+    path = Path(directory)
+    path = path / "metrics.json" if path.is_dir() else path
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file (run `python -m launch.eval ... --out {path.parent}` first)")
+    try:
+        evaluation = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: invalid JSON ({error.msg} at line {error.lineno})") from None
+    if not isinstance(evaluation, dict) or not isinstance(evaluation.get("metrics"), dict):
+        raise ValueError(f"{path}: missing field 'metrics' (an object of per-data-source metrics)")
+    return evaluation
+
+
+def compare(directories: list[str]) -> str:
+    """Side-by-side markdown tables of several evaluation output directories, named by directory (the
+    full path when two share a name), "(relaxed)" added for relaxed-mode evaluations."""
+    evaluations = [load_evaluation(directory) for directory in directories]
+    names = [Path(directory).resolve().name for directory in directories]
+    if len(set(names)) < len(names):
+        names = [str(directory) for directory in directories]
+    names = [f"{name} (relaxed)" if evaluation.get("relaxed") else name for name, evaluation in zip(names, evaluations)]
+    return markdown_tables({name: evaluation["metrics"] for name, evaluation in zip(names, evaluations)})
+
+
+def _load_engine(engine_kind: str, model_dir: Path | None, device: str, dtype: str, max_model_len: int):
+    """(engine, tokenizer); the tokenizer comes from the same directory as the weights."""
+    import torch
+
+    from models import load_model, load_tokenizer, resolve_model_dir
+
+    tokenizer = load_tokenizer(model_dir)
+    if engine_kind == "vllm":
+        from rollout.vllm_engine import VLLMEngine
+        return VLLMEngine(str(resolve_model_dir(model_dir)), dtype=dtype, max_model_len=max_model_len), tokenizer
+    from rollout.hf_engine import HFEngine
+    model = load_model(model_dir, dtype=getattr(torch, dtype), device=device).eval().requires_grad_(False)
+    return HFEngine(model, tokenizer, shared=False), tokenizer
+
+
+def evaluate_command(args: argparse.Namespace) -> None:
+    import torch
+
+    model_dir = resolve_model(args.model)
+    records = read_data(args.data, args.limit)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a directory")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    batch_size = args.batch_size or (len(records) if args.engine == "vllm" else DEFAULT_BATCH_SIZE)
+    engine, tokenizer = _load_engine(args.engine, model_dir, device, dtype, max_model_len=args.max_model_len)
+    predictions, metrics = evaluate_records(engine, tokenizer, records, max_new_tokens=args.max_new_tokens,
+                                            batch_size=batch_size, relaxed=args.relaxed)
+    name = "default" if model_dir is None else Path(args.model).name
+    summary = {"model": args.model, "model_dir": None if model_dir is None else str(model_dir), "engine": args.engine,
+               "data": [str(path) for path in args.data], "limit": args.limit, "relaxed": args.relaxed,
+               "max_new_tokens": args.max_new_tokens, "dtype": dtype, "count": len(predictions), "metrics": metrics}
+    report = f"# {name}\n\n{len(predictions)} rows of {', '.join(map(str, args.data))}; greedy, " \
+             f"{args.max_new_tokens} new tokens{', relaxed labels' if args.relaxed else ''}\n\n"
+    report += markdown_tables({name: metrics})
+    atomic_write_text(out / "predictions.jsonl", "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in predictions))
+    atomic_write_text(out / "metrics.json", json.dumps(summary, indent=1) + "\n")
+    atomic_write_text(out / "report.md", report)
+    print(report)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m launch.eval", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="model directory, run directory, 'default', or org/name")
+    parser.add_argument("--data", required=True, action="append", help="rows file (.jsonl/.parquet); repeatable")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help=f"prompts per generate call (default {DEFAULT_BATCH_SIZE}; vllm: all at once)")
+    parser.add_argument("--limit", type=int, default=None, help="evaluate the first N rows of each file")
+    parser.add_argument("--relaxed", action="store_true",
+                        help="label-only parsing for models that ignore the format (SciFact: first label word)")
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu (hf engine)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--max-model-len", type=int, default=4096, help="vllm: prompt + completion tokens")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        if argv[:1] == ["compare"]:
+            parser = argparse.ArgumentParser(prog="python -m launch.eval compare",
+                                             description="markdown tables comparing evaluated runs side by side")
+            parser.add_argument("directories", nargs="+", help="launch.eval output directories")
+            parser.add_argument("--out", default=None, help="also write the tables to this file")
+            args = parser.parse_args(argv[1:])
+            table = compare(args.directories)
+            if args.out:
+                atomic_write_text(args.out, table)
+            print(table)
+        else:
+            evaluate_command(parse_args(argv))
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

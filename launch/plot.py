@@ -1,0 +1,191 @@
+"""Plots for runs: training curves from metrics.jsonl (a line per run) and evaluation comparison bars (a bar
+per model), written as PNG with matplotlib's Agg renderer (no display needed).
+
+    python -m launch.plot runs/demo/sft runs/demo/grpo --out runs/demo/plots
+    python -m launch.plot runs/demo/grpo runs/demo/eval_base runs/demo/eval_grpo
+
+Each directory is a training run (metrics.jsonl, and eval.json's held-out before/after when present) or a
+`launch.eval` output (metrics.json). Writes training_curves.png and/or eval_comparison.png into --out
+(default: DIR/plots for one directory, ./plots for several).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+# (metrics.jsonl key, panel title), drawn when any run logged the key. SFT runs log only "loss".
+CURVES = (("reward_mean", "reward"), ("acc", "accuracy"), ("format_rate", "format success"),
+          ("response_length_mean", "response length (tokens)"), ("kl", "KL"), ("entropy", "entropy"),
+          ("loss", "SFT loss"))
+# (metrics key, bar label) per data source; a source not listed shows its reward_mean.
+HEADLINE = {
+    "scifact_evidence": (("answer_accuracy", "answer accuracy"), ("evidence_f1", "evidence F1")),
+    "factqa_corpus": (("correct_rate", "correct"), ("f1", "F1")),
+    "verifier": (("accuracy", "accuracy"),),
+    "held-out (trainer)": (("eval_acc", "accuracy"), ("eval_format_rate", "format success")),
+}
+RATE_SOURCES = set(HEADLINE)  # every headline metric above is a rate in [0, 1]
+
+
+def _number(value) -> float:
+    """A logged value as a float; the run log writes non-finite numbers as strings ("nan", "inf")."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return math.nan
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The step records of a metrics.jsonl; a line that is not a JSON object with a "step" names file:line."""
+    records = []
+    for line_number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{line_number}: invalid JSON ({error.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ValueError(f"{path}:{line_number}: expected an object with an integer 'step'")
+        records.append(record)
+    return records
+
+
+def read_evaluations(directory: Path, name: str) -> dict[str, dict[str, dict]]:
+    """{model name: {data_source: metrics}} from a launch.eval metrics.json, and from a run's eval.json
+    ({"before": {...}, "after": {...}}, as "NAME before" / "NAME after" under "held-out (trainer)")."""
+    evaluations = {}
+    if (directory / "metrics.json").is_file():
+        from launch.eval import load_evaluation
+        evaluations[name] = load_evaluation(directory)["metrics"]
+    if (directory / "eval.json").is_file():
+        path = directory / "eval.json"
+        try:
+            held_out = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: invalid JSON ({error.msg} at line {error.lineno})") from None
+        if not isinstance(held_out, dict):
+            raise ValueError(f"{path}: expected an object with 'before' and 'after'")
+        for moment in ("before", "after"):
+            if isinstance(held_out.get(moment), dict) and held_out[moment]:
+                evaluations[f"{name} {moment}"] = {"held-out (trainer)": held_out[moment]}
+    return evaluations
+
+
+def _grid(figure_class, panels: int, width: float, height: float):
+    columns = min(3, panels)
+    rows = math.ceil(panels / columns)
+    figure = figure_class(figsize=(width * columns, height * rows), layout="constrained")
+    axes = figure.subplots(rows, columns, squeeze=False).ravel()
+    for unused in axes[panels:]:
+        unused.set_visible(False)
+    return figure, axes
+
+
+def training_curves(runs: dict[str, list[dict]], path: Path) -> list[str]:
+    """One PNG, a panel per CURVES key that any run logged, a line per run; returns the keys drawn."""
+    from matplotlib.figure import Figure
+
+    logged = {key for records in runs.values() for record in records for key in record}
+    keys = [(key, title) for key, title in CURVES if key in logged]
+    if not keys:
+        return []
+    figure, axes = _grid(Figure, len(keys), 4.5, 3.2)
+    for axis, (key, title) in zip(axes, keys):
+        for name, records in runs.items():
+            points = [(record["step"], _number(record[key])) for record in records if key in record]
+            points = [(step, value) for step, value in points if math.isfinite(value)]
+            if points:
+                axis.plot(*zip(*points), marker="." if len(points) < 30 else None, label=name)
+        axis.set_title(title)
+        axis.set_xlabel("step")
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize="small")
+    figure.savefig(path, dpi=100)
+    return [key for key, _ in keys]
+
+
+def evaluation_bars(evaluations: dict[str, dict[str, dict]], path: Path) -> list[str]:
+    """One PNG, a panel per data source, grouped bars (a colour per model) of its headline metrics;
+    returns the sources drawn."""
+    from matplotlib.figure import Figure
+
+    sources = list(dict.fromkeys(source for metrics in evaluations.values() for source in metrics))
+    if not sources:
+        return []
+    figure, axes = _grid(Figure, len(sources), 5.0, 3.6)
+    for axis, source in zip(axes, sources):
+        labels = HEADLINE.get(source, (("reward_mean", "reward"),))
+        models = [name for name, metrics in evaluations.items() if source in metrics]
+        width = 0.8 / len(models)
+        for position, name in enumerate(models):
+            values = [_number(evaluations[name][source].get(key)) for key, _ in labels]
+            offsets = [index - 0.4 + width * (position + 0.5) for index in range(len(labels))]
+            bars = axis.bar(offsets, [0.0 if math.isnan(value) else value for value in values], width, label=name)
+            axis.bar_label(bars, labels=["n/a" if math.isnan(value) else f"{value:.2f}" for value in values],
+                           fontsize="x-small")
+        axis.set_xticks(range(len(labels)), [label for _, label in labels])
+        if source in RATE_SOURCES:
+            axis.set_ylim(0, 1.1)
+        axis.set_title(source)
+        axis.legend(fontsize="x-small")
+    figure.savefig(path, dpi=100)
+    return sources
+
+
+def plot_runs(directories: list[str], out: Path) -> list[Path]:
+    """Read every directory first (errors name the directory or file), then draw; returns the PNG paths."""
+    paths = [Path(directory) for directory in directories]
+    names = [path.resolve().name for path in paths]
+    if len(set(names)) < len(names):
+        names = [str(path) for path in paths]
+    runs, evaluations = {}, {}
+    for path, name in zip(paths, names):
+        if not path.is_dir():
+            raise FileNotFoundError(f"{path}: no such directory")
+        if (path / "metrics.jsonl").is_file():
+            runs[name] = read_metrics(path / "metrics.jsonl")
+        found = read_evaluations(path, name)
+        evaluations.update(found)
+        if name not in runs and not found:
+            raise FileNotFoundError(f"{path}: no metrics.jsonl, eval.json or metrics.json (neither a run "
+                                    "directory nor a launch.eval output)")
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    if training_curves(runs, out / "training_curves.png"):
+        written.append(out / "training_curves.png")
+    if evaluation_bars(evaluations, out / "eval_comparison.png"):
+        written.append(out / "eval_comparison.png")
+    if not written:
+        raise ValueError(f"nothing to plot in {', '.join(map(str, paths))}: no known metric keys and no evaluations")
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launch.plot", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("directories", nargs="+", help="run directories and/or launch.eval output directories")
+    parser.add_argument("--out", default=None, help="output directory (default: DIR/plots for one DIR, else ./plots)")
+    args = parser.parse_args(argv)
+    out = Path(args.out) if args.out else (Path(args.directories[0]) / "plots" if len(args.directories) == 1
+                                           else Path("plots"))
+    try:
+        for path in plot_runs(args.directories, out):
+            print(path)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
