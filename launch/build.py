@@ -65,6 +65,11 @@ def check_config(cfg: Config, dist) -> tuple[list[dict], list[dict]]:
         if not Path(cfg.reward.corpus_index).is_dir():
             raise ConfigError(f"reward.corpus_index: index directory not found: {cfg.reward.corpus_index} (build it "
                               f"with: python -m rewards.corpus build --input corpus.jsonl --out {cfg.reward.corpus_index})")
+        from rewards.corpus import check_index
+        try:  # a corrupt index fails here, naming the path and the build command, not at the first reward
+            check_index(Path(cfg.reward.corpus_index))
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"reward.corpus_index: {error}") from None
         os.environ["NANOGRPO_CORPUS_INDEX"] = str(cfg.reward.corpus_index)
     if not cfg.data.train_files:
         raise ConfigError("data.train_files is empty: name at least one rows file (JSONL or Parquet)")

@@ -165,7 +165,7 @@ def build_index(input_path: str | os.PathLike, out_dir: str | os.PathLike, *, te
     return out_dir
 
 
-def _check_index(path: Path) -> dict:
+def check_index(path: Path) -> dict:
     """The index's metadata, after checking every file against it (the engine itself checks nothing)."""
     fix = f"; build it with: {build_command(path)}"
     if not path.is_dir():
@@ -222,7 +222,7 @@ class CorpusIndex(CooccurrenceCounter):
     def __init__(self, path: str | os.PathLike, *, encode_fn: Callable[[str], list[int]] | None = None,
                  max_clause_freq: int = 100_000, cache_positions: int = 4_000_000) -> None:
         path = Path(path)
-        meta = _check_index(path)
+        meta = check_index(path)
         if meta["tokenizer"]["kind"] == "word":
             tokenizer: WordTokenizer | ExternalTokenizer = WordTokenizer(meta.pop("vocabulary"))
         else:
