@@ -52,7 +52,10 @@ def _read_rows(files: list[str], key: str) -> list[dict]:
     for path in files:
         if not Path(path).is_file():
             raise ConfigError(f"{key}: file not found: {path}")
-        rows.extend(read_rows(path))
+        try:
+            rows.extend(read_rows(path))
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"{key}: {error}") from None
     return rows
 
 
@@ -122,7 +125,7 @@ def _loss_scale_hook() -> Callable[[int], float]:
 
 
 def build(cfg: Config, dist, *, resume: bool = False) -> Parts:
-    from models import load_model, load_tokenizer
+    from models import load_model, load_tokenizer, resolve_model_dir
     from models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
     rows, eval_rows = check_config(cfg, dist)
@@ -130,8 +133,15 @@ def build(cfg: Config, dist, *, resume: bool = False) -> Parts:
     latest = latest_checkpoint(run_dir / "checkpoints") if resume else None
     if resume and latest is None:
         raise ConfigError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
-    source = str(latest) if latest else (cfg.init_from or cfg.model.name_or_path)
-    tokenizer = load_tokenizer(source, trust_remote_code=cfg.model.trust_remote_code)
+    # A resumed run rebuilds the model from where the run started; load_checkpoint (which verifies every file
+    # first) then restores the weights, so a damaged checkpoint is refused before anything is loaded.
+    source = cfg.init_from or cfg.model.name_or_path
+    key = "init_from" if cfg.init_from else "model.name_or_path"
+    try:
+        resolve_model_dir(source)  # a missing path or a directory without weights fails here, by name
+        tokenizer = load_tokenizer(source, trust_remote_code=cfg.model.trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{key}: {error}") from None
     prompt_ids = _tokenize_prompts(cfg, tokenizer, rows, "data.train_files")
     eval_prompt_ids = _tokenize_prompts(cfg, tokenizer, eval_rows, "data.eval_files")
     examples = []
@@ -148,7 +158,10 @@ def build(cfg: Config, dist, *, resume: bool = False) -> Parts:
     dtype = getattr(torch, cfg.model.dtype)
     load = dict(dtype=dtype, device=dist.device, attn_implementation=cfg.model.attn_implementation,
                 trust_remote_code=cfg.model.trust_remote_code)
-    model = load_model(source, gradient_checkpointing=cfg.model.gradient_checkpointing, **load)
+    try:
+        model = load_model(source, gradient_checkpointing=cfg.model.gradient_checkpointing, **load)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{key}: {error}") from None
     ref_model = None
     if cfg.stage == "rl" and cfg.algorithm.kl_coef > 0:
         # The reference is the policy the run started from (init_from / the base model), frozen.
@@ -168,7 +181,10 @@ def build(cfg: Config, dist, *, resume: bool = False) -> Parts:
                             shuffle=cfg.data.shuffle)
     start_step = 0
     if latest is not None:
-        start_step, extra = load_checkpoint(latest, model, optimizer)
+        try:
+            start_step, extra = load_checkpoint(latest, model, optimizer)
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"--resume from {latest}: {error}") from None
         scheduler.load_state_dict(extra["scheduler"])
         sampler.position = extra["sampler_position"][dist.rank]
 

@@ -52,7 +52,8 @@ def run(cfg, dist, *, resume: bool = False) -> dict:
     except KeyboardInterrupt:
         parts.log.warn(f"interrupted: writing a checkpoint at step {parts.completed_steps} and exiting")
         parts.save(parts.completed_steps)
-        raise
+        summary["interrupted"] = parts.completed_steps
+        return summary
     finally:
         parts.log.close()
     summary["after"] = held_out()
@@ -81,6 +82,10 @@ def main(argv=None) -> int:
                 print(f"ok: {len(rows)} training rows, {len(eval_rows)} held-out rows")
             return 0
         summary = run(cfg, dist, resume=args.resume)
+        if "interrupted" in summary:
+            print(f"interrupted after step {summary['interrupted']}; checkpoint written under "
+                  f"{summary['run_dir']}/checkpoints (continue with --resume)", file=sys.stderr)
+            return 130
         if dist.is_main:
             print(json.dumps({k: summary[k] for k in ("run_dir", "before", "after")}, indent=1))
         return 0

@@ -1,1 +1,6 @@
+"""Models: loading (local directory, offline HF cache, embedded default), chat formatting, batch layout,
+memory-lean logprobs, FSDP2 sharding and HF-format checkpoints."""
+from models.chat import render_prompt
+from models.loading import load_model, load_tokenizer, resolve_model_dir
 
+__all__ = ["load_model", "load_tokenizer", "render_prompt", "resolve_model_dir"]

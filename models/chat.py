@@ -1,0 +1,32 @@
+"""Chat formatting: a list of chat messages -> the prompt's token ids, through the tokenizer's chat template.
+
+Prompts are tokenised exactly once, here; the ids then travel unchanged from rollout to loss (re-tokenising
+decoded text does not round-trip, and Qwen3's template is not prefix-preserving across turns). A model's
+thinking output (`<think>...</think>`) is part of the completion ids and is never touched.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+
+def render_prompt(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    """Apply the chat template with the assistant generation prompt and return the token ids.
+
+    messages: [{"role": "system" | "user" | "assistant", "content": str}, ...], e.g. a data row's "prompt".
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)!r} has no chat template; "
+            "load it with models.load_tokenizer or add a chat_template to its tokenizer_config.json"
+        )
+    if isinstance(messages, (str, bytes)) or len(messages) == 0:
+        raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.200}")
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) or not isinstance(
+            message.get("content"), str
+        ):
+            raise ValueError(f"message {index} must be a dict with string 'role' and 'content', got {message!r:.200}")
+    encoded = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    # transformers 5 returns a BatchEncoding here; older versions returned the list of ids itself.
+    ids = encoded["input_ids"] if isinstance(encoded, Mapping) or hasattr(encoded, "keys") else encoded
+    return [int(token) for token in ids]

@@ -1,0 +1,242 @@
+"""Training checkpoints: an HF-format model directory (safetensors, config, generation config, tokenizer) that
+transformers and vLLM load as it is, plus optimizer state (torch.distributed.checkpoint), per-rank RNG state
+and a small trainer-state JSON, so that a resumed run continues exactly.
+
+A checkpoint is written into a hidden temporary sibling directory and renamed into place after a completion
+marker (listing every file and its size) is written last; a crash mid-save leaves at most a hidden partial
+directory that `latest_checkpoint` never returns. Layout of `step_<n>/`:
+    model.safetensors, config.json, generation_config.json, tokenizer files   (rank 0)
+    optimizer/                 torch.distributed.checkpoint files             (every rank)
+    rng/rank_<r>.safetensors   torch / CUDA / generator states; rng/rank_<r>.json: python and numpy states
+    trainer_state.json         {"step", "world_size", "extra"}
+    COMPLETE                   written last: {"step", "files": {relative path: size in bytes}}
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import re
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from models import fsdp
+
+MARKER = "COMPLETE"
+WEIGHTS = "model.safetensors"
+STATE = "trainer_state.json"
+PAUSE_ENV = "NANOGRPO_TEST_PAUSE_IN_SAVE"  # seconds to sleep mid-save, for fault-injection tests
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def _hf_class_name(model: torch.nn.Module) -> str:
+    # FSDP2 subclasses the model's class on the fly (FSDPLlamaForCausalLM); the config must name the HF one.
+    for cls in type(model).__mro__:
+        if cls.__module__.startswith("transformers.") and not cls.__name__.startswith("FSDP"):
+            return cls.__name__
+    return type(model).__name__
+
+
+def _write_model(directory: Path, model: torch.nn.Module, weights: dict, tokenizer) -> None:
+    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, directory / WEIGHTS, metadata={"format": "pt"})
+    config = copy.deepcopy(model.config)
+    config.architectures = [_hf_class_name(model)]
+    config.use_cache = True  # training turns the KV cache off; generation from the export wants it on
+    dtypes = {tensor.dtype for tensor in weights.values() if tensor.is_floating_point()}
+    if len(dtypes) == 1:
+        config.dtype = next(iter(dtypes))
+    config.save_pretrained(directory)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+
+
+def _rng_paths(directory: Path, rank: int) -> tuple[Path, Path]:
+    return directory / "rng" / f"rank_{rank:05d}.safetensors", directory / "rng" / f"rank_{rank:05d}.json"
+
+
+def _write_rng(directory: Path, rng: torch.Generator | None) -> None:
+    tensor_path, json_path = _rng_paths(directory, fsdp.rank())
+    tensor_path.parent.mkdir(exist_ok=True)
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensors.update({f"torch_cuda_{index}": state for index, state in enumerate(torch.cuda.get_rng_state_all())})
+    if rng is not None:
+        tensors["generator"] = rng.get_state()
+    save_file(tensors, tensor_path)
+    version, python_state, gauss = random.getstate()
+    name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    json_path.write_text(json.dumps({
+        "python": [version, list(python_state), gauss],
+        "numpy": [name, keys.tolist(), int(position), int(has_gauss), float(cached_gaussian)],
+    }))
+
+
+def _restore_rng(directory: Path, rng: torch.Generator | None) -> None:
+    tensor_path, json_path = _rng_paths(directory, fsdp.rank())
+    tensors = load_file(tensor_path)
+    states = json.loads(json_path.read_text())
+    torch.set_rng_state(tensors["torch_cpu"])
+    cuda_states = [tensors[f"torch_cuda_{index}"] for index in range(len(tensors)) if f"torch_cuda_{index}" in tensors]
+    if cuda_states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda_states)
+    if rng is not None:
+        if "generator" not in tensors:
+            raise ValueError(f"{tensor_path} holds no generator state, but load_checkpoint was given rng=")
+        rng.set_state(tensors["generator"])
+    version, python_state, gauss = states["python"]
+    random.setstate((version, tuple(python_state), gauss))
+    name, keys, position, has_gauss, cached_gaussian = states["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached_gaussian))
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def save_checkpoint(
+    directory: str | os.PathLike,
+    model: torch.nn.Module,
+    tokenizer,
+    optimizer: torch.optim.Optimizer | None,
+    step: int,
+    rng: torch.Generator | None = None,
+    extra: dict | None = None,
+) -> Path:
+    """Write a complete checkpoint to `directory` (e.g. runs/x/checkpoints/step_10); every rank must call it.
+
+    rng: a generator of the trainer's own to save besides the global torch / CUDA / python / numpy RNGs.
+    extra: JSON-serialisable trainer state (data position, scheduler state, ...), returned by load_checkpoint.
+    """
+    final = Path(directory)
+    partial = final.parent / f".{final.name}.partial"
+    extra_json = json.dumps(extra if extra is not None else {})  # fail before writing if not serialisable
+    is_rank0 = fsdp.rank() == 0
+    if is_rank0:
+        shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash
+        partial.mkdir(parents=True)
+    fsdp.barrier()
+    weights = fsdp.gather_to_rank0(model)
+    if is_rank0:
+        _write_model(partial, model, weights, tokenizer)
+    del weights
+    if optimizer is not None:
+        fsdp.save_optimizer_state(str(partial / "optimizer"), model, optimizer)
+    _write_rng(partial, rng)
+    if os.environ.get(PAUSE_ENV):
+        time.sleep(float(os.environ[PAUSE_ENV]))
+    fsdp.barrier()
+    if is_rank0:
+        state = {"step": int(step), "world_size": fsdp.world_size(), "has_optimizer": optimizer is not None}
+        (partial / STATE).write_text(json.dumps({**state, "extra": json.loads(extra_json)}, indent=1) + "\n")
+        files = {str(path.relative_to(partial)): path.stat().st_size for path in sorted(partial.rglob("*")) if path.is_file()}
+        for relative in files:
+            _fsync_file(partial / relative)
+        (partial / MARKER).write_text(json.dumps({"step": int(step), "files": files}, indent=1) + "\n")
+        _fsync_file(partial / MARKER)
+        _replace_directory(partial, final)
+    fsdp.barrier()
+    return final
+
+
+def _replace_directory(partial: Path, final: Path) -> None:
+    previous = final.parent / f".{final.name}.previous"
+    if final.exists():
+        shutil.rmtree(previous, ignore_errors=True)
+        os.rename(final, previous)
+    os.rename(partial, final)
+    descriptor = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)  # make the rename itself durable
+    finally:
+        os.close(descriptor)
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def is_complete(directory: str | os.PathLike) -> bool:
+    return (Path(directory) / MARKER).is_file()
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The complete `step_<n>` directory with the largest n under run_dir/checkpoints (or run_dir itself
+    when it has no checkpoints/ folder); None when there is none. Partial saves are never returned."""
+    root = Path(run_dir)
+    if (root / "checkpoints").is_dir():
+        root = root / "checkpoints"
+    if not root.is_dir():
+        return None
+    steps = [(int(match.group(1)), path) for path in root.iterdir()
+             if (match := _STEP_DIR.match(path.name)) and path.is_dir() and is_complete(path)]
+    return max(steps)[1] if steps else None
+
+
+def _verify(directory: Path, model: torch.nn.Module, optimizer) -> Exception | None:
+    """Everything that can be checked before loading: marker, file sizes, weight names and shapes."""
+    if not directory.is_dir():
+        return FileNotFoundError(f"checkpoint directory {directory} does not exist")
+    if not is_complete(directory):
+        return ValueError(f"{directory} has no {MARKER} marker: it is a partial or interrupted save; resume from "
+                          "latest_checkpoint(run_dir) instead")
+    try:
+        listed = json.loads((directory / MARKER).read_text())["files"]
+    except (ValueError, KeyError) as error:
+        return ValueError(f"{directory / MARKER} is damaged ({error}); resume from another checkpoint")
+    for relative, size in listed.items():
+        path = directory / relative
+        if not path.is_file():
+            return FileNotFoundError(f"checkpoint file {path} is missing (listed in {directory / MARKER})")
+        if path.stat().st_size != size:
+            return ValueError(f"checkpoint file {path} has {path.stat().st_size} bytes, {size} were written: it is damaged")
+    try:
+        state = json.loads((directory / STATE).read_text())
+    except ValueError as error:
+        return ValueError(f"{directory / STATE} is damaged ({error})")
+    if optimizer is not None and not state.get("has_optimizer", False):
+        return ValueError(f"{directory} was saved without optimizer state; pass optimizer=None to load only the weights")
+    with safe_open(directory / WEIGHTS, framework="pt") as handle:
+        shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+    expected = fsdp.expected_shapes(model)
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected))
+    wrong = [f"{name} {shapes[name]} (model {expected[name]})" for name in expected if name in shapes and shapes[name] != expected[name]]
+    if missing or unexpected or wrong:
+        return ValueError(f"{directory / WEIGHTS} does not fit the model: missing {missing[:5]}, unexpected "
+                          f"{unexpected[:5]}, wrong shapes {wrong[:5]}")
+    return None
+
+
+def load_checkpoint(
+    directory: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    rng: torch.Generator | None = None,
+) -> tuple[int, dict]:
+    """Restore model weights, optimizer state and RNG states from `directory`; return (step, extra).
+
+    Every rank must call it. The whole checkpoint is verified (marker, file sizes, weight names and shapes)
+    before anything is loaded, and the optimizer is read into a copy first, so a damaged checkpoint raises
+    without leaving the model or optimizer half-loaded.
+    """
+    directory = Path(directory)
+    fsdp.raise_on_all_ranks(_verify(directory, model, optimizer) if fsdp.rank() == 0 else None)
+    state = json.loads((directory / STATE).read_text())
+    if optimizer is not None:
+        fsdp.load_optimizer_state(str(directory / "optimizer"), model, optimizer)
+    fsdp.load_full_weights(model, load_file(directory / WEIGHTS) if fsdp.rank() == 0 else None)
+    if state["world_size"] == fsdp.world_size():
+        _restore_rng(directory, rng)
+    else:
+        warnings.warn(f"{directory} was saved by {state['world_size']} ranks and is resumed by {fsdp.world_size()}: "
+                      "weights and optimizer state are restored, random number generator states are not")
+    return int(state["step"]), state["extra"]

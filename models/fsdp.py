@@ -1,0 +1,316 @@
+"""FSDP2 for HF causal LMs, and every collective the models package needs: sharding, streaming full tensors
+(weight sync, export), rank-0 loading with a broadcast, and distributed optimizer checkpoints.
+
+Without torch.distributed initialised every function here also works on a plain single-process model, so
+callers need no branches. The order of operations follows torch's FSDP2 guide: shard each decoder layer,
+then the root (embeddings, final norm, lm_head: a tied embedding stays in one group).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+# Prefixes that wrappers add to parameter names (torch.compile, activation checkpointing, FSDP1).
+_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def broadcast_object(value, source: int = 0):
+    """`value` from rank `source` on every rank (itself when not distributed)."""
+    if not is_distributed():
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=source)
+    return holder[0]
+
+
+def raise_on_all_ranks(error: Exception | None) -> None:
+    """Rank 0 found `error` (or None): raise it on every rank, so no rank waits forever in a collective."""
+    message = broadcast_object(None if error is None else (type(error).__name__, str(error)))
+    if message is not None:
+        kind = {"FileNotFoundError": FileNotFoundError}.get(message[0], ValueError)
+        raise error if error is not None else kind(message[1])
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks, found by the class names HF lists in `_no_split_modules`."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [module for module in model.modules() if type(module).__name__ in names]
+    if not layers:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (its _no_split_modules is {sorted(names)})")
+    return layers
+
+
+def shard(
+    model: torch.nn.Module,
+    mesh,
+    *,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+) -> torch.nn.Module:
+    """Shard `model` in place with FSDP2 over the 1-D `mesh` and return it.
+
+    One FSDP unit per decoder layer, then the root, which holds the embeddings, the final norm and lm_head
+    (a tied lm_head is the embedding's own parameter, so both stay in that one group). The root is never
+    resharded after forward: its gathered lm_head weight is what models.logprobs.completion_logprobs
+    projects the hidden states with between forward and backward. Gradients are summed, not averaged,
+    over ranks: the losses divide by the global token count themselves; sum-only collectives also run on gloo.
+    param_dtype: the dtype of gathered parameters in forward/backward (None: the parameters' own dtype).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def _clean_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _reshard_all(model: torch.nn.Module) -> None:
+    # After a forward without backward (e.g. a no_grad logprob pass) the root still holds its gathered
+    # parameters, in param_dtype; resharding puts the fp32 shards back as the module's parameters.
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def named_weights(model: torch.nn.Module) -> list[tuple[str, Tensor]]:
+    """(HF name, parameter or persistent buffer), tied aliases once, in the model's fixed module order."""
+    _reshard_all(model)
+    weights = [(_clean_name(name), parameter) for name, parameter in model.named_parameters()]
+    non_persistent = {
+        f"{module_name}.{buffer_name}" if module_name else buffer_name
+        for module_name, module in model.named_modules()
+        for buffer_name in getattr(module, "_non_persistent_buffers_set", ())
+    }
+    weights += [(_clean_name(name), buffer) for name, buffer in model.named_buffers() if name not in non_persistent]
+    return weights
+
+
+def full_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """Stream (HF name, full tensor) for every parameter and persistent buffer, the same order on every rank.
+
+    Every rank must consume the whole iterator: gathering a sharded tensor is a collective. A tied
+    lm_head.weight is not repeated (HF's save_pretrained and vLLM's load_weights both accept that).
+    Tensors come in the parameters' stored dtype (fp32 master weights under mixed precision), detached.
+    """
+    for name, tensor in named_weights(model):
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        yield name, full.detach()
+
+
+def gather_to_rank0(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The whole state dict as CPU tensors on rank 0 (for export); an empty dict on the other ranks."""
+    is_rank0 = rank() == 0
+    return {name: tensor.cpu() for name, tensor in full_state_dict(model) if is_rank0}
+
+
+def expected_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """HF name -> full shape for everything full_state_dict streams (no collective)."""
+    return {name: tuple(tensor.shape) for name, tensor in named_weights(model)}
+
+
+@torch.no_grad()
+def load_full_weights(model: torch.nn.Module, state_dict: dict[str, Tensor] | None) -> None:
+    """Copy full tensors (held by rank 0; others pass None) into the model's shards, checked first.
+
+    Every name and shape is compared before anything is copied, so a wrong checkpoint never half-loads.
+    Each tensor is then scattered from rank 0 (a plain copy without torch.distributed).
+    """
+    weights = named_weights(model)
+    error = None
+    if rank() == 0:
+        error = _mismatch(dict((name, tuple(t.shape)) for name, t in weights), state_dict or {})
+    raise_on_all_ranks(error)
+    for name, target in weights:
+        source = state_dict[name] if rank() == 0 else None
+        if isinstance(target, DTensor):
+            if source is None:
+                source = torch.empty(target.shape, dtype=target.dtype, device=target.device)
+            local = distribute_tensor(source.to(target.device, target.dtype), target.device_mesh, target.placements, src_data_rank=0)
+            target.to_local().copy_(local.to_local())
+        elif is_distributed():
+            if source is None:
+                source = torch.empty_like(target)
+            source = source.to(target.device, target.dtype)
+            dist.broadcast(source, src=0)
+            target.copy_(source)
+        else:
+            target.copy_(source)
+
+
+def _mismatch(expected: dict[str, tuple], given: dict[str, Tensor]) -> ValueError | None:
+    missing = sorted(set(expected) - set(given))
+    unexpected = sorted(set(given) - set(expected))
+    wrong = [f"{name}: checkpoint {tuple(given[name].shape)} vs model {expected[name]}"
+             for name in expected if name in given and tuple(given[name].shape) != expected[name]]
+    if not (missing or unexpected or wrong):
+        return None
+    return ValueError(
+        "weights do not match the model: "
+        + "; ".join(part for part in (
+            f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}" if missing else "",
+            f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}" if unexpected else "",
+            f"wrong shapes {wrong[:5]}" if wrong else "",
+        ) if part)
+    )
+
+
+@torch.no_grad()
+def recompute_non_persistent_buffers(model: torch.nn.Module) -> None:
+    """Rebuild buffers that are not in any state dict (rotary inv_freq) after materialising from meta.
+
+    Each module holding such buffers is rebuilt from its config on the CPU (cheap: the rotary module owns
+    only these small vectors) and its fresh buffers are copied over.
+    """
+    for module_name, module in model.named_modules():
+        names = [name for name in getattr(module, "_non_persistent_buffers_set", ()) if getattr(module, name, None) is not None]
+        if not names:
+            continue
+        config = getattr(module, "config", None)
+        try:
+            with torch.device("cpu"):
+                fresh = type(module)(config)
+        except Exception as error:
+            raise ValueError(
+                f"cannot recompute the non-persistent buffers {names} of {module_name} ({type(module).__name__}): "
+                f"rebuilding it from its config failed ({error}); load this model without meta initialisation"
+            ) from error
+        for name in names:
+            buffer = getattr(module, name)
+            module.register_buffer(name, getattr(fresh, name).to(device=buffer.device), persistent=False)
+        for attribute in ("attention_scaling",):
+            if hasattr(fresh, attribute):
+                setattr(module, attribute, getattr(fresh, attribute))
+
+
+def load_sharded_model(
+    name_or_path=None,
+    mesh=None,
+    *,
+    param_dtype: torch.dtype | None = torch.bfloat16,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "auto",
+    gradient_checkpointing: bool = False,
+    trust_remote_code: bool = False,
+) -> torch.nn.Module:
+    """Rank 0 reads the pretrained fp32 weights; every rank builds the model on `meta`, shards it, allocates
+    only its shards on `device`, and receives them from rank 0. Peak memory on ranks > 0 is one shard set."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from models.loading import load_model, resolve_attn_implementation, resolve_model_dir
+
+    directory, error = None, None
+    if rank() == 0:
+        try:
+            directory = str(resolve_model_dir(name_or_path))
+        except (FileNotFoundError, ValueError) as caught:
+            error = caught
+    raise_on_all_ranks(error)
+    directory = broadcast_object(directory)
+    config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code, local_files_only=True)
+    config._attn_implementation = resolve_attn_implementation(attn_implementation, device)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    shard(model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+          reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
+    model.to_empty(device="cpu" if cpu_offload else device)
+    full = None
+    if rank() == 0:
+        pretrained = load_model(directory, dtype=torch.float32, device="cpu", trust_remote_code=trust_remote_code)
+        full = dict(named_weights(pretrained))
+    load_full_weights(model, full)
+    del full
+    recompute_non_persistent_buffers(model)
+    model.generation_config = _generation_config(directory, model.generation_config)
+    return model
+
+
+def _generation_config(directory: str, default):
+    from transformers import GenerationConfig
+
+    if os.path.isfile(os.path.join(directory, "generation_config.json")):
+        return GenerationConfig.from_pretrained(directory, local_files_only=True)
+    return default
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    # Without a process group DCP warns that it assumes a single process, which is exactly the intent here.
+    with warnings.catch_warnings():
+        if not is_distributed():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def save_optimizer_state(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """torch.distributed.checkpoint files of the optimizer state (each rank writes its shards), keyed by
+    parameter name, so a resume can even change how the model is wrapped."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    with _single_process_quiet():
+        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path, no_dist=not is_distributed())
+
+
+def load_optimizer_state(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Restore what save_optimizer_state wrote. The files are read into a copy of the state first, so a
+    missing or mismatched entry raises before the optimizer's own state tensors are replaced."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.utils._pytree import tree_map
+
+    # get_optimizer_state_dict allocates a fresh optimizer's state (a zero-lr step) so there is a target
+    # of the right shapes to read into.
+    target = tree_map(lambda value: value.clone() if isinstance(value, Tensor) else value,
+                      {"optimizer": get_optimizer_state_dict(model, optimizer)})
+    try:
+        with _single_process_quiet():
+            dcp.load(target, checkpoint_id=path, no_dist=not is_distributed())
+    except Exception as error:
+        raise ValueError(f"optimizer state in {path} does not match this model/optimizer or is damaged: {error}") from error
+    set_optimizer_state_dict(model, optimizer, target["optimizer"])

@@ -1,0 +1,141 @@
+"""Load a causal LM and its tokenizer from a local directory, a GGUF file, the local Hugging Face cache
+(offline only), or -- with no name -- the embedded SmolLM2-135M-Instruct.
+
+Nothing here downloads: the machines this project targets have no hub access, so a hub id that is not
+already cached fails with a message saying how to point at a directory instead.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+from models import embedded
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def resolve_model_dir(name_or_path: str | os.PathLike | None, *, need_weights: bool = True) -> Path:
+    """Turn a model name into a local HF directory (config.json + weights).
+
+    None -> the embedded default (converted into the cache on first use); a directory -> itself;
+    a `.gguf` file -> its converted cache directory; `org/name` that is not a path -> its snapshot in the
+    local Hugging Face cache, never fetched from the network. need_weights=False accepts a directory that
+    holds only a tokenizer.
+    """
+    if name_or_path is None:
+        return embedded.convert_gguf(embedded.embedded_gguf_path())
+    text = str(name_or_path)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if need_weights:
+            _check_model_dir(path)
+        return path
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return embedded.convert_gguf(path)
+        raise ValueError(f"{path} is a file; pass a model directory (config.json + *.safetensors) or a .gguf file")
+    if _looks_like_hub_id(text):
+        return _cached_hub_snapshot(text, need_weights)
+    raise FileNotFoundError(f"model path {path} does not exist; pass a directory holding config.json and weights")
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    # "org/name" with exactly one slash and no path syntax; "./x", "/x", "~/x" and "a/b/c" are paths.
+    return text.count("/") == 1 and not text.startswith((".", "/", "~")) and all(text.split("/"))
+
+
+def _check_model_dir(directory: Path) -> None:
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{directory} has no config.json; pass a Hugging Face model directory (as written by save_pretrained)"
+        )
+    if not any((directory / name).is_file() for name in WEIGHT_FILES) and not list(directory.glob("*.safetensors")):
+        raise FileNotFoundError(
+            f"{directory} has a config.json but no weights (expected one of {', '.join(WEIGHT_FILES)}); "
+            "copy the weight files into it or point at a complete model directory"
+        )
+
+
+def _cached_hub_snapshot(repo_id: str, need_weights: bool) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        # local_files_only: the HF_HUB_OFFLINE behaviour, whatever the environment says.
+        snapshot = Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError) as error:
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        raise FileNotFoundError(
+            f"{repo_id!r} is neither a local path nor a model in the local Hugging Face cache ({HF_HUB_CACHE}); "
+            "this project never downloads weights. Download it on a machine with network access "
+            f"(`huggingface-cli download {repo_id} --local-dir DIR`), copy DIR here and pass DIR as the model"
+        ) from error
+    if need_weights:
+        _check_model_dir(snapshot)
+    return snapshot
+
+
+def resolve_attn_implementation(attn_implementation: str, device: str | torch.device) -> str:
+    """"auto" -> flash_attention_2 when flash-attn is importable and the device is CUDA, else sdpa."""
+    if attn_implementation != "auto":
+        return attn_implementation
+    on_cuda = torch.device(device).type == "cuda"
+    if on_cuda and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def load_model(
+    name_or_path: str | os.PathLike | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "auto",
+    gradient_checkpointing: bool = False,
+    trust_remote_code: bool = False,
+) -> torch.nn.Module:
+    """Load a causal LM (AutoModelForCausalLM) onto `device` in `dtype`; see resolve_model_dir for names."""
+    from transformers import AutoModelForCausalLM
+
+    directory = resolve_model_dir(name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(
+        directory,
+        dtype=dtype,
+        attn_implementation=resolve_attn_implementation(attn_implementation, device),
+        trust_remote_code=trust_remote_code,
+        local_files_only=True,
+    )
+    model.to(device)
+    if gradient_checkpointing:
+        # Non-reentrant checkpointing works with inputs that do not require grad and with FSDP2.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def load_tokenizer(name_or_path: str | os.PathLike | None = None, *, trust_remote_code: bool = False):
+    """Load the tokenizer of a model (see resolve_model_dir); it always has a pad token and a chat template."""
+    from transformers import AutoTokenizer
+
+    directory = resolve_model_dir(name_or_path, need_weights=False)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"cannot load a tokenizer from {directory} (tokenizer.json / tokenizer_config.json "
+                         f"missing or unreadable): {error}") from None
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"the tokenizer in {directory} has no eos_token; set one in {directory / 'tokenizer_config.json'}")
+    if tokenizer.pad_token_id is None:
+        # Padded positions are always masked out of attention and loss, so reusing EOS is safe.
+        tokenizer.pad_token = tokenizer.eos_token
+    if not tokenizer.chat_template:
+        raise ValueError(
+            f"the tokenizer in {directory} has no chat template; every prompt here is a chat, so add one "
+            f"({directory / 'chat_template.jinja'} or 'chat_template' in tokenizer_config.json), "
+            "e.g. copied from the instruct variant of the same model"
+        )
+    return tokenizer

@@ -1,0 +1,95 @@
+"""Bad input fails at start-up through the real entry point with a message that names the file, line, key or
+value (exit code 2, no traceback), and nothing is written to the run directory."""
+import json
+import shutil
+
+import pytest
+
+from launch.train import main
+
+GOOD_ROW = {"prompt": [{"role": "user", "content": "Hi"}], "data_source": "tests_vowels",
+            "reward_model": {"ground_truth": "{}"}, "extra_info": {"index": 0}}
+
+
+def _write(path, lines):
+    path.write_bytes(b"".join((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n"
+                              for line in lines))
+    return path
+
+
+@pytest.fixture
+def setup(tmp_path, tiny_model_dir):
+    rows = _write(tmp_path / "rows.jsonl", [GOOD_ROW, {**GOOD_ROW, "extra_info": {"index": 1}}])
+    base = [f"model.name_or_path={tiny_model_dir}", f"data.train_files=['{rows}']",
+            "reward.functions={tests_vowels: 'rewards_for_tests:vowel_fraction'}", "rollout.max_new_tokens=4",
+            f"trainer.out_dir={tmp_path / 'runs'}", "trainer.run_name=bad", "trainer.steps=1"]
+    return tmp_path, base
+
+
+def _data_cases(tmp):
+    junk = tmp / "junk.jsonl"
+    junk.write_bytes(bytes(range(256)) * 4)
+    empty = tmp / "empty.jsonl"
+    empty.write_text("")
+    return [
+        ("missing field", _write(tmp / "a.jsonl", [GOOD_ROW, {"data_source": "tests_vowels"}]), r"a\.jsonl:2.*'prompt'"),
+        ("wrong type", _write(tmp / "b.jsonl", [{**GOOD_ROW, "data_source": 7}]), r"b\.jsonl:1.*data_source"),
+        ("empty file", empty, r"empty\.jsonl.*empty"),
+        ("binary junk", junk, r"junk\.jsonl"),
+        ("10 MB line", _write(tmp / "big.jsonl", [{**GOOD_ROW, "pad": "x" * 10_000_000}]), r"big\.jsonl:1"),
+        ("unknown reward", _write(tmp / "c.jsonl", [{**GOOD_ROW, "data_source": "nope"}]), r"data_source 'nope'"),
+    ]
+
+
+def test_bad_data_files(setup, capsys):
+    tmp, base = setup
+    for name, path, message in _data_cases(tmp):
+        code = main(base + [f"data.train_files=['{path}']"])
+        err = capsys.readouterr().err
+        assert code == 2, name
+        assert pytest.importorskip("re").search(message, err), (name, err[-500:])
+        assert "Traceback" not in err and not (tmp / "runs").exists(), name
+
+
+def test_bad_configs_models_and_checkpoints(setup, capsys, tiny_model_dir):
+    import re
+    tmp, base = setup
+    no_weights = tmp / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    broken_yaml = tmp / "broken.yaml"
+    broken_yaml.write_text("trainer: [1, 2\n")
+    cases = [
+        (["optim.lrr=1"], r"optim\.lrr; did you mean optim\.lr\?"),
+        (["rollout.n=two"], r"rollout\.n: expected int, got 'two'"),
+        (["--config", str(tmp / "missing.yaml")], r"config file not found: .*missing\.yaml"),
+        (["--config", str(broken_yaml)], r"broken\.yaml: not valid YAML"),
+        (["rollout.n=1"], r"rollout\.n=1"),
+        (["trainer.micro_batch_size=3"], r"trainer\.micro_batch_size=3 does not divide"),
+        (["data.max_prompt_tokens=3"], r"longer than data\.max_prompt_tokens=3"),
+        ([f"model.name_or_path={tmp / 'nowhere'}"], r"model\.name_or_path: .*nowhere"),
+        ([f"model.name_or_path={no_weights}"], r"model\.name_or_path: .*no_weights"),
+        ([f"init_from={tmp / 'no_ckpt'}"], r"init_from: checkpoint directory not found"),
+        (["reward.corpus_index=/nonexistent/index"], r"reward\.corpus_index: .*rewards\.corpus build"),
+        (["--resume"], r"--resume: no complete checkpoint"),
+    ]
+    for overrides, message in cases:
+        code = main(base + overrides)
+        err = capsys.readouterr().err
+        assert code == 2 and re.search(message, err), (overrides, err[-600:])
+        assert "Traceback" not in err and not (tmp / "runs").exists(), overrides
+
+
+def test_corrupt_checkpoint_is_refused(setup, capsys):
+    tmp, base = setup
+    assert main(base + ["trainer.steps=1"]) == 0
+    capsys.readouterr()
+    checkpoint = tmp / "runs" / "bad" / "checkpoints" / "step_1"
+    weights = checkpoint / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated: the size no longer matches COMPLETE
+    before = (tmp / "runs" / "bad" / "metrics.jsonl").read_text()
+    assert main(base + ["trainer.steps=2", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "model.safetensors" in err and "Traceback" not in err, err[-600:]
+    assert (tmp / "runs" / "bad" / "metrics.jsonl").read_text() == before
+    shutil.rmtree(checkpoint)

@@ -1,0 +1,93 @@
+"""2-process FSDP2 on CPU (gloo): sharded training equals one process, memory halves, exports reload.
+
+All checks come from ONE torchrun launch of tests/dist_models.py (each launch costs 10-20 s); the tests
+below read its results.json.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FP32_CASES = ["llama_tied_fp32", "llama_untied_fp32", "qwen3_tied_fp32", "qwen3_untied_fp32"]
+BF16_CASES = ["llama_tied_bf16", "qwen3_untied_bf16"]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    out_dir = tmp_path_factory.mktemp("dist_models")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+               str(ROOT / "tests" / "dist_models.py"), str(out_dir)]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    finished = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, f"torchrun failed ({finished.returncode}):\n{finished.stdout[-4000:]}\n{finished.stderr[-8000:]}"
+    return json.loads((out_dir / "results.json").read_text())
+
+
+def test_two_ranks_ran(results):
+    assert results["world_size"] == 2
+    assert set(FP32_CASES + BF16_CASES) <= set(results)
+
+
+@pytest.mark.parametrize("case", FP32_CASES)
+def test_fp32_sharded_equals_one_process(results, case):
+    measured = results[case]
+    assert measured["grad_names_match"] and measured["tying_kept"]
+    # The two ranks' losses are summed in a different order than one process sums them: a float32 ulp or
+    # two at |loss| ~ 11, hence 1e-6 relative.
+    assert measured["loss_abs_diff"] <= 1e-6 * max(1.0, abs(measured["loss"]))
+    assert measured["grad_max_abs_diff"] <= 1e-6, measured
+    # Adam's first step is about lr * g/|g|: a gradient entry near 0 amplifies 1e-7 differences; lr = 1e-2.
+    assert measured["step_max_abs_diff"] <= 1e-4, measured
+
+
+@pytest.mark.parametrize("case", BF16_CASES)
+def test_bf16_mixed_precision_close_to_fp32_one_process(results, case):
+    measured = results[case]
+    # bf16 parameters/activations (8-bit mantissa, rounding 2^-9 = 0.2% per operation) against an fp32
+    # one-process reference; measured 0.01-0.06% loss and 2-4% worst per-tensor gradient error (norm ratio).
+    # A gradient averaged instead of summed over the 2 ranks would be 50% off, far outside these bounds.
+    assert measured["loss_abs_diff"] <= 2e-3 * abs(measured["loss"]), measured
+    assert measured["grad_worst_relative_error"] <= 0.1, measured
+
+
+@pytest.mark.parametrize("case", FP32_CASES + BF16_CASES)
+def test_no_grad_pass_and_weight_stream(results, case):
+    measured = results[case]
+    # bf16 compute against an fp32 one-process pass: logprobs near -11; measured 0.017-0.019 of bf16 rounding.
+    assert measured["no_grad_logprobs_max_abs_diff"] <= (1e-5 if case in FP32_CASES else 0.06), measured
+    assert measured["root_released_after_no_grad"]
+    # Weight sync and export stream the fp32 master shards, never the bf16 compute copies.
+    assert measured["streamed_dtypes"] == ["torch.float32"]
+
+
+@pytest.mark.parametrize("case", FP32_CASES + BF16_CASES)
+def test_per_rank_training_bytes_halve(results, case):
+    # parameters + gradients + AdamW state held by one rank, over what one process holds
+    assert results[case]["bytes_ratio"] <= 0.55
+
+
+@pytest.mark.parametrize("case", FP32_CASES)
+def test_export_reloads_in_plain_transformers_with_identical_logits(results, case):
+    measured = results[case]
+    assert measured["export_logits_max_abs_diff"] == 0.0
+    assert measured["export_architectures"] == [("Llama" if case.startswith("llama") else "Qwen3") + "ForCausalLM"]
+
+
+@pytest.mark.parametrize("case", FP32_CASES)
+def test_rank0_load_with_meta_init_and_distributed_resume(results, case):
+    measured = results[case]
+    assert measured["rank0_load_logits_max_abs_diff"] == 0.0  # wrong rotary buffers would change logits
+    assert measured["resume_step_extra"] == [1, {"position": 17}]
+    assert measured["resume_weights_equal"] and measured["resume_optimizer_equal"]

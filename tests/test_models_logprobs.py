@@ -1,0 +1,142 @@
+"""Batch layout and chunked logprobs/entropy: values and gradients equal the textbook
+log_softmax(logits.float() / T).gather on the full logits, on tiny random Llama and Qwen3 models."""
+import doctest
+
+import pytest
+import torch
+
+import models.batching
+from models.batching import pad_batch
+from models.logprobs import completion_logprobs, token_entropy, token_logprobs
+from models.tiny import tiny_model
+
+
+def naive(logits: torch.Tensor, labels: torch.Tensor, temperature: float):
+    log_distribution = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logprobs = log_distribution.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_distribution.exp() * log_distribution).sum(-1)
+    return logprobs, entropy
+
+
+def random_pairs(seed: int, prompt_lengths, completion_lengths):
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 49152, (n,), generator=generator).tolist() for n in prompt_lengths]
+    completions = [torch.randint(3, 49152, (n,), generator=generator).tolist() for n in completion_lengths]
+    return prompts, completions
+
+
+def test_pad_batch_doctest():
+    assert doctest.testmod(models.batching).failed == 0
+
+
+def test_pad_batch_layout():
+    batch = pad_batch([[11, 12, 13], [21]], [[14], [22, 23, 24]], pad_id=0)
+    assert batch["prompt_len"] == 3
+    assert batch["input_ids"].tolist() == [[11, 12, 13, 14, 0, 0], [0, 0, 21, 22, 23, 24]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 3, 3], [0, 0, 0, 1, 2, 3]]
+    assert batch["completion_mask"].tolist() == [[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
+    assert batch["completion_mask"].dtype == torch.float32 and batch["input_ids"].dtype == torch.long
+
+
+@pytest.mark.parametrize(
+    "prompts, completions, message",
+    [([], [], "at least one"), ([[1]], [[2], [3]], "1 prompts but 2 completions"), ([[1], []], [[2], [3]], "prompt 1 is empty")],
+)
+def test_pad_batch_rejects_bad_input(prompts, completions, message):
+    with pytest.raises(ValueError, match=message):
+        pad_batch(prompts, completions, pad_id=0)
+
+
+def test_pad_batch_rejects_non_int_pad():
+    with pytest.raises(ValueError, match="pad_id"):
+        pad_batch([[1]], [[2]], pad_id=None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_and_entropy_equal_naive(dtype):
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 7, 1000, generator=generator) * 3).to(dtype).requires_grad_()
+    labels = torch.randint(0, 1000, (3, 7), generator=generator)
+    values = token_logprobs(logits, labels, temperature=0.7, chunk_size=4)
+    entropy = token_entropy(logits, temperature=0.7, chunk_size=5)
+    (values * 1.3 + entropy * 0.4).sum().backward()
+    gradient, logits.grad = logits.grad, None
+    expected_values, expected_entropy = naive(logits, labels, 0.7)
+    (expected_values * 1.3 + expected_entropy * 0.4).sum().backward()
+    assert values.dtype == torch.float32 and values.shape == (3, 7)
+    torch.testing.assert_close(values, expected_values, atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, expected_entropy, atol=1e-5, rtol=0)
+    # bf16 gradients are rounded once (to bf16) in both paths; allow one bf16 ulp of the largest entry.
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(gradient.float(), logits.grad.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_token_logprobs_shape_and_argument_errors():
+    with pytest.raises(ValueError, match=r"\[B, T, V\]"):
+        token_logprobs(torch.zeros(2, 5), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(torch.zeros(1, 2, 5), torch.zeros(1, 2, dtype=torch.long), temperature=0.0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        token_entropy(torch.zeros(1, 2, 5), chunk_size=0)
+
+
+@pytest.mark.parametrize("arch, tie", [("llama", True), ("llama", False), ("qwen3", True), ("qwen3", False)])
+def test_completion_logprobs_equal_naive_with_gradients(arch, tie):
+    model = tiny_model(arch, tie_word_embeddings=tie)
+    batch = pad_batch(*random_pairs(1, [5, 3, 7], [4, 6, 1]), pad_id=2)
+    temperature = 0.7
+    logprobs, entropy = completion_logprobs(model, batch, temperature=temperature, chunk_size=3, with_entropy=True)
+    ((logprobs * 1.0 + 0.3 * entropy) * batch["completion_mask"]).sum().backward()
+    fused = {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+    model.zero_grad()
+
+    prompt_len, length = batch["prompt_len"], batch["completion_mask"].shape[1]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]).logits
+    expected_logprobs, expected_entropy = naive(logits[:, prompt_len - 1 : prompt_len - 1 + length], batch["input_ids"][:, prompt_len:], temperature)
+    mask = batch["completion_mask"]
+    ((expected_logprobs + 0.3 * expected_entropy) * mask).sum().backward()
+
+    torch.testing.assert_close(logprobs, expected_logprobs * mask, atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, expected_entropy * mask, atol=1e-5, rtol=0)
+    assert (logprobs[mask == 0] == 0).all() and (entropy[mask == 0] == 0).all()
+    for name, parameter in model.named_parameters():
+        # Chunked matmuls sum in a different order than one big one: float32 noise on gradients up to ~10.
+        torch.testing.assert_close(fused[name], parameter.grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_completion_logprobs_projects_only_one_position_through_lm_head():
+    model = tiny_model("llama")
+    shapes = []
+    model.lm_head.register_forward_hook(lambda module, args, output: shapes.append(tuple(output.shape)))
+    batch = pad_batch(*random_pairs(2, [4, 6], [5, 3]), pad_id=2)
+    logprobs, entropy = completion_logprobs(model, batch)
+    # The model's own lm_head sees only the last column; completion positions are projected in chunks.
+    assert shapes == [(2, 1, 49152)]
+    assert entropy is None and logprobs.shape == (2, 5)
+
+
+def test_completion_logprobs_with_gradient_checkpointing_matches():
+    model = tiny_model("qwen3", tie_word_embeddings=False)
+    batch = pad_batch(*random_pairs(3, [4, 2], [3, 5]), pad_id=2)
+    plain, _ = completion_logprobs(model, batch)
+    plain.sum().backward()
+    expected = {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+    model.zero_grad()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    checkpointed, _ = completion_logprobs(model, batch)
+    checkpointed.sum().backward()
+    torch.testing.assert_close(checkpointed, plain, atol=0, rtol=0)
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter.grad, expected[name], atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_completion_logprobs_rejects_bad_batch_and_softcapped_models():
+    model = tiny_model("llama")
+    batch = pad_batch([[5, 6]], [[7, 8]], pad_id=2)
+    with pytest.raises(ValueError, match="completion_mask"):
+        completion_logprobs(model, {**batch, "completion_mask": torch.ones(1, 3)})
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        completion_logprobs(model, batch)
