@@ -22,6 +22,7 @@ setup(
         "tqdm>=4.66",
         "matplotlib>=3.8",
         "infini-gram>=2.5",
+        "peft>=0.21,<0.22",  # LoRA (imported only when model.lora.enabled)
     ],
     extras_require={
         "gpu": ["flash-attn", "vllm"],

@@ -23,6 +23,7 @@ from grpo.metrics import reduce_metrics, step_metrics
 from grpo.shaping import overlong_penalty
 from models.batching import pad_batch
 from models.logprobs import completion_logprobs
+from models.lora import disabled_adapters
 
 
 def _micro_batches(size: int, micro: int) -> list[slice]:
@@ -89,6 +90,10 @@ def train_rl(cfg, dist, parts) -> dict:
                 if parts.ref_model is not None:
                     ref_logprobs.append(completion_logprobs(parts.ref_model, batch, temperature=roll.temperature,
                                                             chunk_size=cfg.model.logprob_chunk_size)[0])
+                elif parts.reference_from_adapters:  # LoRA: the reference is the policy with its adapters off
+                    with disabled_adapters(model):
+                        ref_logprobs.append(completion_logprobs(model, batch, temperature=roll.temperature,
+                                                                chunk_size=cfg.model.logprob_chunk_size)[0])
         times["logprob"] = time.perf_counter() - started
 
         # 5. Update: ppo_epochs optimizer steps over the rollout batch, micro-batched.
@@ -111,7 +116,7 @@ def train_rl(cfg, dist, parts) -> dict:
                     logprobs, old, mb_adv, mb_mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
                     dual_clip=algo.dual_clip, agg=algo.agg, denominator=denominator, max_len=max_len,
                     is_weights=is_weights)
-                if parts.ref_model is not None:
+                if ref_logprobs:
                     kl_values = kl_penalty(logprobs, ref_logprobs[i], algo.kl_kind)
                     loss = loss + algo.kl_coef * aggregate(kl_values, mb_mask, algo.agg, denominator=denominator,
                                                            max_len=max_len)

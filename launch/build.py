@@ -44,6 +44,7 @@ class Parts:
     save: Callable[[int], None]
     loss_scale_hook: Callable[[int], float]
     completed_steps: int = 0  # the loops advance it; Ctrl-C saves here
+    reference_from_adapters: bool = False  # LoRA + KL: the reference is the policy with adapters disabled
 
 
 def _read_rows(files: list[str], key: str) -> list[dict]:
@@ -162,8 +163,17 @@ def build(cfg: Config, dist, *, resume: bool = False) -> Parts:
         model = load_model(source, gradient_checkpointing=cfg.model.gradient_checkpointing, **load)
     except (OSError, ValueError) as error:
         raise ConfigError(f"{key}: {error}") from None
+    model.train()  # gradient checkpointing and dropout only act in train mode; engines restore it after generate
+    lora = cfg.model.lora
+    if lora.enabled:
+        from models.lora import apply_lora
+        try:
+            apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                       target_modules=lora.target_modules, seed=cfg.seed)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     ref_model = None
-    if cfg.stage == "rl" and cfg.algorithm.kl_coef > 0:
+    if cfg.stage == "rl" and cfg.algorithm.kl_coef > 0 and not lora.enabled:
         # The reference is the policy the run started from (init_from / the base model), frozen.
         ref_model = load_model(cfg.init_from or cfg.model.name_or_path, **load).eval().requires_grad_(False)
     if dist.world_size > 1:
@@ -172,7 +182,7 @@ def build(cfg: Config, dist, *, resume: bool = False) -> Parts:
         shard(model, dist.mesh, param_dtype=param_dtype)
         if ref_model is not None:
             shard(ref_model, dist.mesh, param_dtype=param_dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
         step, warmup_steps=cfg.optim.warmup_steps, total_steps=cfg.trainer.steps, schedule=cfg.optim.schedule,
@@ -181,6 +191,8 @@ def build(cfg: Config, dist, *, resume: bool = False) -> Parts:
                             shuffle=cfg.data.shuffle)
     start_step = 0
     if latest is not None:
+        if lora.enabled:
+            from models.lora import load_lora_checkpoint as load_checkpoint  # adapters + optimizer
         try:
             start_step, extra = load_checkpoint(latest, model, optimizer)
         except (OSError, ValueError) as error:
@@ -210,8 +222,13 @@ def build(cfg: Config, dist, *, resume: bool = False) -> Parts:
         one_hot = torch.zeros(dist.world_size, dtype=torch.float64, device=dist.device)
         one_hot[dist.rank] = sampler.position
         positions = [int(p) for p in dist.all_reduce_sum(one_hot).tolist()]
-        save_checkpoint(run_dir / "checkpoints" / f"step_{step}", model, tokenizer, optimizer, step,
-                        extra={"scheduler": scheduler.state_dict(), "sampler_position": positions})
+        extra = {"scheduler": scheduler.state_dict(), "sampler_position": positions}
+        if lora.enabled:
+            from models.lora import save_lora_checkpoint
+            save_lora_checkpoint(run_dir / "checkpoints" / f"step_{step}", model, tokenizer, optimizer, step,
+                                 extra=extra, merged_export=lora.merged_export)
+        else:
+            save_checkpoint(run_dir / "checkpoints" / f"step_{step}", model, tokenizer, optimizer, step, extra=extra)
 
     import rewards
     return Parts(rows=rows, prompt_ids=prompt_ids, examples=examples, eval_rows=eval_rows,
@@ -222,7 +239,8 @@ def build(cfg: Config, dist, *, resume: bool = False) -> Parts:
                  compute_score=rewards.compute_score, model=model, ref_model=ref_model, optimizer=optimizer,
                  scheduler=scheduler, engine=engine, sync_weights=sync_weights, sampler=sampler,
                  start_step=start_step, run_dir=run_dir, log=log, save=save, loss_scale_hook=_loss_scale_hook(),
-                 completed_steps=start_step)
+                 completed_steps=start_step,
+                 reference_from_adapters=lora.enabled and cfg.stage == "rl" and cfg.algorithm.kl_coef > 0)
 
 
 def _build_engine(cfg: Config, dist, model, tokenizer, source, load):

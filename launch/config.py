@@ -19,6 +19,24 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class LoraConfig:
+    enabled: bool = False
+    """Train LoRA adapters (peft) instead of all weights; the reference model is then the policy with its
+    adapters disabled (no second model), and the engine receives merged weights."""
+    rank: int = 16
+    """LoRA rank r (the published factual-QA runs used 128)."""
+    alpha: float = 32.0
+    """LoRA alpha; the update is scaled by alpha / rank (published: 256)."""
+    dropout: float = 0.0
+    """Dropout on the adapter input."""
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                               "gate_proj", "up_proj", "down_proj"])
+    """Linear layers that get adapters (lm_head is refused: the logprob pass reads its weight directly)."""
+    merged_export: bool = False
+    """Also write a merged HF model under checkpoints/step_<n>/merged (what init_from / eval / vLLM load)."""
+
+
+@dataclass
 class ModelConfig:
     name_or_path: str | None = None
     """Local HF directory, an HF id in the local cache, or null for the embedded SmolLM2-135M-Instruct."""
@@ -34,6 +52,8 @@ class ModelConfig:
     """Run code shipped with a model directory. Off unless you trust it."""
     logprob_chunk_size: int = 1024
     """Completion positions projected to the vocabulary at once in logprob passes (bounds peak memory)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (off by default)."""
 
 
 @dataclass

@@ -39,14 +39,17 @@ def apply_lora(
     alpha: float,
     dropout: float = 0.0,
     target_modules: Sequence[str] = DEFAULT_TARGETS,
+    seed: int = 0,
 ) -> torch.nn.Module:
     """Inject a LoRA adapter (B initialised to 0, so the model's outputs are unchanged) into every nn.Linear
-    whose module name is, or ends with "." + , a name in `target_modules`; freeze everything else. Returns
+    named by `target_modules` (a module matches "q_proj" when its name is "q_proj" or ends with ".q_proj",
+    peft's rule); freeze everything else. Returns
     `model` itself. Call it on the plain model, after gradient checkpointing is enabled and BEFORE
     models.fsdp.shard. The optimizer then gets `[p for p in model.parameters() if p.requires_grad]`.
 
     rank: r of A [r, in] and B [out, r]; alpha: the update is scaled by alpha / r; dropout: on the adapter's
-    input, active only in train mode.
+    input, active only in train mode; seed: A's random initialisation, drawn from its own generator so that
+    every rank builds the same adapter and the global RNG is left untouched.
     """
     from peft import LoraConfig, inject_adapter_in_model
 
@@ -65,7 +68,9 @@ def apply_lora(
     _check_targets(model, list(target_modules))
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
                         bias="none", base_model_name_or_path=getattr(model.config, "_name_or_path", None) or None)
-    inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    with torch.random.fork_rng(devices=[]):  # peft draws A on the CPU before moving it to the base's device
+        torch.manual_seed(seed)
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     for name, parameter in model.named_parameters():
         parameter.requires_grad_(_is_adapter_name(name))
     return model
@@ -96,10 +101,10 @@ def _is_adapter_name(name: str) -> bool:
 
 
 def is_lora(model: torch.nn.Module) -> bool:
-    """True when `model` carries a peft LoRA adapter (apply_lora or PeftModel)."""
-    from peft.tuners.lora import LoraLayer
-
-    return any(isinstance(module, LoraLayer) for module in model.modules())
+    """True when `model` carries a peft LoRA adapter (apply_lora or PeftModel). Reads the peft_config that
+    peft attaches, so a run without LoRA never imports peft."""
+    configs = getattr(model, "peft_config", None) or {}
+    return any(getattr(config, "peft_type", None) == "LORA" for config in configs.values())
 
 
 def _lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -136,9 +141,13 @@ def merged_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
     order is the fixed module order, the same on every rank. A model without adapters streams
     models.fsdp.full_state_dict unchanged.
     """
+    if not is_lora(model):
+        yield from fsdp.full_state_dict(model)
+        return
     from peft.tuners.lora import LoraLayer
 
-    scales = {_clean_name(name): module.scaling[ADAPTER] for name, module in model.named_modules()
+    # Names as models.fsdp streams them (wrapper prefixes such as torch.compile's "_orig_mod." dropped).
+    scales = {fsdp._clean_name(name): module.scaling[ADAPTER] for name, module in model.named_modules()
               if isinstance(module, LoraLayer)}
     pending: dict[str, dict[str, Tensor]] = {}  # adapted module -> its tensors seen so far
     for name, tensor in fsdp.full_state_dict(model):
@@ -157,13 +166,6 @@ def merged_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
             del pending[module]
     if pending:
         raise ValueError(f"merged_state_dict: adapted modules with missing tensors: {sorted(pending)[:5]}")
-
-
-def _clean_name(name: str) -> str:
-    # The same wrapper prefixes models.fsdp strips from the names it streams.
-    for wrapper in ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module."):
-        name = name.replace(wrapper, "")
-    return name
 
 
 def _lora_part(name: str) -> tuple[str | None, str]:
@@ -256,7 +258,13 @@ def _read_adapter(directory: Path, model: torch.nn.Module) -> tuple[dict[str, Te
     return (None, error) if error else (state, None)
 
 
+@torch.no_grad()
 def _copy_adapter(model: torch.nn.Module, state: dict[str, Tensor] | None) -> None:
+    if fsdp.world_size() == 1:  # a plain copy of the adapter tensors, nothing gathered
+        for name, tensor in fsdp.named_weights(model):
+            if _is_adapter_name(name):
+                tensor.copy_(state[_PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")])
+        return
     # models.fsdp.load_full_weights scatters complete state dicts only, so rank 0 completes the adapter with
     # the current base weights: under FSDP that gathers the model to rank 0 once, as a checkpoint save does.
     full = fsdp.gather_to_rank0(model)

@@ -96,3 +96,19 @@ def test_startup_errors_write_nothing(tmp_path, tiny_model_dir):
         with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("[", r"\[")):
             run(cfg, DistInfo())
         assert not (tmp_path / "runs").exists()
+
+
+def test_lora_grpo_uses_adapters_off_as_reference(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+    cfg = _config(tmp_path, tiny_model_dir, "trainer.steps=2", "data.eval_files=[]", "algorithm.kl_coef=0.1",
+                  "model.lora.enabled=true", "model.lora.rank=4", "model.lora.merged_export=true", "optim.lr=1e-2")
+    run(cfg, DistInfo())
+    metrics = _metrics(tmp_path / "runs" / "e2e")
+    assert metrics[0]["kl"] == 0.0  # step 1: adapters start at B = 0, so policy == reference exactly
+    assert metrics[1]["kl"] > 0.0  # step 2: the adapters moved the policy away from the reference
+    step = tmp_path / "runs" / "e2e" / "checkpoints" / "step_2"
+    assert (step / "adapter_model.safetensors").exists() and (step / "COMPLETE").exists()
+    merged = AutoModelForCausalLM.from_pretrained(step / "merged")
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids = torch.tensor([[1, 5, 9, 200]])
+    assert not torch.allclose(merged(ids).logits, initial(ids).logits)
