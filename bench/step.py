@@ -1,0 +1,348 @@
+"""GRPO steps broken down into rollout, reward, logprob (old/ref), update and weight sync: seconds, tokens/s
+and peak memory of each phase, by running the real trainer (launch.build + grpo.trainer.train_rl).
+
+    python -m bench.step                                  # embedded SmolLM2-135M, 2 prompts x G=4, 32 tokens, 3 steps
+    python -m bench.step --sync copy                      # the engine owns a copy: weight sync is timed too
+    python -m bench.step --out bench/results/step.json algorithm.kl_coef=0.01   # any config override
+    python -m bench.step --quick                          # smoke run: tiny random model, 2 steps of 8 tokens
+
+Nothing in the step is re-implemented: the loop is train_rl itself, on the parts build() returns. The phases
+are observed from outside: the engine's generate is wrapped, a forward pre-hook on
+the policy (and reference) model marks the first logprob or training forward, and sync_weights and the
+logger are wrapped. Seconds come from the trainer's own per-step timers (time_logprob, time_update,
+time_sync); its time_rollout_reward is split into generate time (rollout) and the rest (reward: scoring).
+Checkpoint writing is switched off (it is not part of a step).
+
+Memory: "peak RSS" of a phase is the process's resident-set high-water mark (VmHWM in /proc/self/status)
+between the phase's first and last moment, the mark being reset at every phase boundary (writing 5 to
+/proc/self/clear_refs); "extra" is that peak minus the RSS when the phase began. It counts every byte the
+process touched (weights, optimizer state, allocator caches), not only tensors; memory freed by an
+earlier phase but kept by the allocator is reused without showing up as extra. Where the reset is not
+permitted the numbers are the process-wide peak so far, and the JSON says so (peak_reset: false).
+On CUDA the per-phase torch.cuda.max_memory_allocated is reported as well.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PHASES = ("rollout", "reward", "logprob", "update", "sync")
+
+
+def status_bytes(field: str) -> int:
+    """A memory field of /proc/self/status (VmRSS, VmHWM) in bytes."""
+    with open("/proc/self/status") as status:
+        return int(re.search(rf"{field}:\s+(\d+)", status.read()).group(1)) * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark to the current RSS; False where that is not permitted."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class PhaseMemory:
+    """Peak resident memory per (step, phase): `enter(phase)` closes the open phase and starts the next."""
+
+    def __init__(self, cuda: bool = False):
+        self.cuda = cuda
+        self.step = 0
+        self.open: tuple[int, str, int] | None = None  # (step, phase, RSS at its start)
+        self.records: dict[tuple[int, str], dict] = {}
+        self.peak_reset = True
+
+    def close(self) -> None:
+        if self.open is None:
+            return
+        step, phase, start_rss = self.open
+        peak = status_bytes("VmHWM")
+        record = self.records.setdefault((step, phase), {"peak_rss_bytes": 0, "extra_rss_bytes": 0})
+        record["peak_rss_bytes"] = max(record["peak_rss_bytes"], peak)
+        record["extra_rss_bytes"] = max(record["extra_rss_bytes"], peak - start_rss)
+        if self.cuda:
+            import torch
+            record["cuda_peak_allocated_bytes"] = max(record.get("cuda_peak_allocated_bytes", 0),
+                                                      torch.cuda.max_memory_allocated())
+        self.open = None
+
+    def enter(self, phase: str) -> None:
+        self.close()
+        self.peak_reset &= reset_peak_rss()
+        if self.cuda:
+            import torch
+            torch.cuda.reset_peak_memory_stats()
+        self.open = (self.step, phase, status_bytes("VmRSS"))
+
+
+def _instrument(parts, memory: PhaseMemory, generated: list[dict]) -> list:
+    """Wrap the parts' engine, sync and logger; hook the models. Returns the hook handles."""
+    import torch
+
+    engine, sync, log_metrics = parts.engine, parts.sync_weights, parts.log.metrics
+    in_generate = [False]
+    original_generate = engine.generate
+
+    def generate(prompts, **kwargs):
+        memory.enter("rollout")
+        in_generate[0] = True
+        started = time.perf_counter()
+        try:
+            completions = original_generate(prompts, **kwargs)
+        finally:
+            in_generate[0] = False
+        while len(generated) <= memory.step:
+            generated.append({})
+        record = generated[memory.step]
+        record["rollout_seconds"] = record.get("rollout_seconds", 0.0) + time.perf_counter() - started
+        record["completions"] = record.get("completions", 0) + len(completions)
+        record["generated_tokens"] = record.get("generated_tokens", 0) + sum(len(c.completion_ids) for c in completions)
+        record["prompt_tokens"] = record.get("prompt_tokens", 0) + sum(len(c.prompt_ids) for c in completions)
+        memory.enter("reward")
+        return completions
+
+    def forward_pre_hook(module, args):
+        if in_generate[0]:
+            return
+        phase = "update" if torch.is_grad_enabled() else "logprob"
+        if memory.open is None or memory.open[1] != phase:
+            memory.enter(phase)
+
+    def sync_weights():
+        memory.enter("sync")
+        info = sync()
+        memory.enter("log")
+        return info
+
+    def metrics(step, values, *args, **kwargs):
+        memory.close()
+        log_metrics(step, values, *args, **kwargs)
+        generated[memory.step]["metrics"] = dict(values)
+        generated[memory.step]["ended_at"] = time.perf_counter()
+        generated[memory.step]["ended_cpu"] = time.process_time()
+        memory.step += 1
+
+    engine.generate = generate
+    parts.sync_weights = sync_weights
+    parts.log.metrics = metrics
+    models = [parts.model] + ([parts.ref_model] if parts.ref_model is not None else [])
+    return [model.register_forward_pre_hook(forward_pre_hook) for model in models]
+
+
+def _step_report(record: dict, memory: PhaseMemory, step: int, ppo_epochs: int) -> dict:
+    """One step's phases: seconds, tokens/s and memory, from the trainer's metrics and the wrappers."""
+    metrics = record["metrics"]
+    rollout = record["rollout_seconds"]
+    seconds = {"rollout": rollout, "reward": max(metrics["time_rollout_reward"] - rollout, 0.0),
+               "logprob": metrics["time_logprob"], "update": metrics["time_update"], "sync": metrics["time_sync"]}
+    generated_tokens, trained_tokens = record["generated_tokens"], metrics["trained_tokens"]
+    forward_tokens = ppo_epochs * (record["generated_tokens"] + record["prompt_tokens"])
+    rates = {"rollout": ("generated tokens/s", generated_tokens), "reward": ("completions/s", record["completions"]),
+             "logprob": ("completion tokens/s", generated_tokens), "update": ("trained tokens/s", trained_tokens),
+             "sync": ("MB/s", metrics.get("sync/bytes", 0.0) / 1e6)}
+    phases = {}
+    for phase in PHASES:
+        unit, amount = rates[phase]
+        ran = (step, phase) in memory.records
+        measurable = ran and seconds[phase] > 0 and amount > 0
+        phases[phase] = {"seconds": seconds[phase], "rate": amount / seconds[phase] if measurable else None,
+                         "rate_unit": unit, "ran": ran, **memory.records.get((step, phase), {})}
+    phases["update"]["forward_tokens_per_s"] = forward_tokens / seconds["update"] if seconds["update"] > 0 else None
+    total = sum(seconds.values())
+    return {"phases": phases, "step_seconds": total, "generated_tokens": generated_tokens,
+            "trained_tokens": trained_tokens, "tokens_per_s": metrics["tokens_per_s"],
+            "reward_mean": metrics["reward_mean"],
+            **{key: record[key] for key in ("prompt_tokens", "completions", "ended_at", "ended_cpu")}}
+
+
+def prepare_model(model: str | None, quick: bool, work_dir: Path) -> str | None:
+    """The model to load: None (embedded default), a path, or (quick) a tiny random Llama saved with the
+    embedded tokenizer."""
+    if not quick:
+        return None if model in (None, "default") else model
+    from models import load_tokenizer
+    from models.tiny import tiny_model
+    directory = work_dir / "tiny"
+    tiny_model("llama", seed=0).save_pretrained(directory)
+    load_tokenizer(None).save_pretrained(directory)
+    return str(directory)
+
+
+def trainer_overrides(model: str | None, rows_file: Path, out_dir: Path, *, prompts: int, group: int,
+                      new_tokens: int, steps: int, lr: float, seed: int) -> list[str]:
+    """The config the benchmark trains with (extra key=value overrides are appended by the caller)."""
+    return [f"model.name_or_path={model if model is not None else 'null'}", f"data.train_files=['{rows_file}']",
+            "data.eval_files=[]", f"rollout.n={group}", f"rollout.max_new_tokens={new_tokens}",
+            "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=0", f"trainer.prompts_per_step={prompts}",
+            f"trainer.micro_batch_size={prompts * group}", f"trainer.steps={steps}", f"optim.lr={lr}",
+            f"seed={seed}", f"trainer.out_dir={out_dir}", "trainer.run_name=bench", "trainer.eval_before=false"]
+
+
+def run_steps(overrides: list[str], *, sync: str = "shared", no_eos: bool = False, on_build=None) -> dict:
+    """Build the trainer from `overrides`, run train_rl instrumented, return per-step reports.
+
+    sync:   "shared" (what one process does: the engine generates with the policy, nothing to sync) or
+            "copy" (the engine owns a copy refreshed by rollout.sync.sync_weights, as under torchrun).
+    no_eos: the engine never stops early, so every completion has exactly max_new_tokens tokens.
+    on_build(parts): called after build, before training (e.g. to reset a peak-memory mark).
+    """
+    import torch
+
+    from grpo.trainer import train_rl
+    from launch.build import build, load_model_copy
+    from launch.config import load_config
+    from launch.dist import init_distributed, shutdown
+    from rollout.hf_engine import HFEngine
+    from rollout.sync import sync_weights
+
+    cfg = load_config(None, overrides)
+    dist = init_distributed()
+    try:
+        parts = build(cfg, dist)
+        parts.save = lambda step: None  # checkpoints are not part of a step
+        if sync == "copy" or no_eos:
+            if cfg.rollout.engine != "hf":
+                raise ValueError(f"--sync copy / --no-eos need rollout.engine=hf, got {cfg.rollout.engine!r}")
+            vocab_rows = parts.model.get_output_embeddings().weight.shape[0]
+            # An id past the vocabulary is never sampled, so no completion ends before max_new_tokens.
+            eos = [vocab_rows] if no_eos else None
+            if sync == "copy":
+                load = dict(dtype=getattr(torch, cfg.model.dtype), device=dist.device,
+                            attn_implementation=cfg.model.attn_implementation,
+                            trust_remote_code=cfg.model.trust_remote_code)
+                engine = HFEngine(load_model_copy(cfg.model.name_or_path, load), parts.tokenizer, shared=False,
+                                  eos_token_ids=eos)
+                parts.sync_weights = lambda: sync_weights(parts.model, engine, bucket_bytes=cfg.rollout.sync_bucket_mb << 20)
+                parts.sync_weights()
+            else:
+                engine = HFEngine(parts.model, parts.tokenizer, shared=True, eos_token_ids=eos)
+            parts.engine = engine
+        memory = PhaseMemory(cuda=dist.device.type == "cuda")
+        generated: list[dict] = []
+        hooks = _instrument(parts, memory, generated)
+        if on_build is not None:
+            on_build(parts)
+        started, started_cpu = time.perf_counter(), time.process_time()
+        try:
+            train_rl(cfg, dist, parts)
+        finally:
+            for hook in hooks:
+                hook.remove()
+            parts.log.close()
+            memory.close()
+        wall = time.perf_counter() - started
+        steps = [_step_report(record, memory, step, cfg.algorithm.ppo_epochs) for step, record in enumerate(generated)]
+        return {"steps": steps, "wall_seconds": wall, "started_at": started, "started_cpu": started_cpu,
+                "peak_reset": memory.peak_reset, "ppo_epochs": cfg.algorithm.ppo_epochs, "kl_coef": cfg.algorithm.kl_coef}
+    finally:
+        shutdown(dist)
+
+
+def summarize(steps: list[dict]) -> dict:
+    """Median over the steps after the first (the first pays one-time costs); all steps when there is one."""
+    measured = steps[1:] if len(steps) > 1 else steps
+    summary = {}
+    for phase in PHASES:
+        entries = [step["phases"][phase] for step in measured]
+        rates = [e["rate"] for e in entries if e["rate"] is not None]
+        summary[phase] = {
+            "seconds": statistics.median(e["seconds"] for e in entries),
+            "rate": statistics.median(rates) if rates else None, "rate_unit": entries[0]["rate_unit"],
+            "ran": any(e["ran"] for e in entries),
+            "peak_rss_bytes": max((e.get("peak_rss_bytes", 0) for e in entries), default=0),
+            "extra_rss_bytes": max((e.get("extra_rss_bytes", 0) for e in entries), default=0)}
+    summary["step_seconds"] = statistics.median(step["step_seconds"] for step in measured)
+    summary["tokens_per_s"] = statistics.median(step["tokens_per_s"] for step in measured)
+    summary["measured_steps"] = len(measured)
+    return summary
+
+
+def print_table(summary: dict, result: dict) -> None:
+    mib = 2**20
+    print(f"{'phase':<8} {'seconds':>8} {'rate':>10} {'unit':<20} {'peak RSS MiB':>12} {'extra MiB':>10}")
+    for phase in PHASES:
+        row = summary[phase]
+        rate = f"{row['rate']:.1f}" if row["rate"] is not None else "-"
+        note = "" if row["ran"] else "  (no pass: see notes)"
+        print(f"{phase:<8} {row['seconds']:>8.3f} {rate:>10} {row['rate_unit']:<20} "
+              f"{row['peak_rss_bytes'] / mib:>12.0f} {row['extra_rss_bytes'] / mib:>10.0f}{note}")
+    print(f"step     {summary['step_seconds']:>8.3f} {summary['tokens_per_s']:>10.1f} completion tokens/s "
+          f"(median of {summary['measured_steps']} step(s) after the first)")
+    for note in result["notes"]:
+        print(f"note: {note}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default", help="model directory, or 'default' (embedded SmolLM2-135M)")
+    parser.add_argument("--prompts", type=int, default=2, help="P: prompts per step")
+    parser.add_argument("--group", type=int, default=4, help="G: completions per prompt")
+    parser.add_argument("--new-tokens", type=int, default=32, help="rollout.max_new_tokens")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sync", choices=("shared", "copy"), default="shared",
+                        help="shared: one-process trainer (engine = policy); copy: engine owns a synced copy")
+    parser.add_argument("--no-eos", action="store_true", help="every completion runs to --new-tokens")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny random model, 2 steps, 8 tokens")
+    parser.add_argument("--out", help="write the JSON here")
+    parser.add_argument("overrides", nargs="*", help="extra trainer config overrides, key.sub=value")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.new_tokens = min(args.steps, 2), min(args.new_tokens, 8)
+
+    import torch
+
+    from data.rows import write_rows
+    from data.synthetic import generate_rows
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory(prefix="nanogrpo-bench-step-") as work:
+        work_dir = Path(work)
+        model = prepare_model(args.model, args.quick, work_dir)
+        rows_file = work_dir / "rows.jsonl"
+        write_rows(generate_rows(max(args.prompts * args.steps, 8), seed=args.seed), rows_file)
+        overrides = trainer_overrides(model, rows_file, work_dir / "runs", prompts=args.prompts, group=args.group,
+                                      new_tokens=args.new_tokens, steps=args.steps, lr=args.lr, seed=args.seed)
+        result = run_steps(overrides + list(args.overrides), sync=args.sync, no_eos=args.no_eos)
+    notes = []
+    if result["ppo_epochs"] == 1 and result["kl_coef"] == 0:
+        notes.append("logprob: no pass runs (ppo_epochs=1: old logprobs are the update's own, detached; kl_coef=0: "
+                     "no reference model); its seconds are the trainer's timer around nothing")
+    if args.sync == "shared":
+        notes.append("sync: one process, the engine generates with the policy itself: nothing to sync "
+                     "(--sync copy times the torchrun path, a separate engine copy)")
+    if not result["peak_reset"]:
+        notes.append("peak RSS could not be reset per phase (/proc/self/clear_refs): figures are process peaks so far")
+    notes.append("peak RSS: the process's resident high-water mark within the phase (weights, optimizer state and "
+                 "allocator caches included); extra: that peak minus the RSS when the phase began")
+    result["notes"] = notes
+    result["summary"] = summarize(result["steps"])
+    result["settings"] = {"model": args.model if not args.quick else "tiny random llama (quick)",
+                          "prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens,
+                          "steps": args.steps, "lr": args.lr, "sync": args.sync, "no_eos": args.no_eos,
+                          "overrides": args.overrides, "torch_threads": torch.get_num_threads(),
+                          "cpus": os.cpu_count(), "load_average": os.getloadavg()}
+    print_table(result["summary"], result)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Weight-sync cost against bucket size: the embedded SmolLM2-135M sharded with FSDP2 over 2 CPU processes
+(gloo), synced into one engine replica per rank with rollout.sync.sync_weights.
+
+    python -m bench.sync                  # vLLM engine when installed (else HF), buckets 16 MiB .. 1 GiB
+    python -m bench.sync --engine hf      # the transformers engine (shared=False copy)
+    python -m bench.sync --quick          # smoke run: two bucket sizes, one repeat
+
+Per bucket size it prints the sync time (slowest rank, median of the repeats), the time inside the
+engine, the bucket count, the largest bucket, and the peak extra resident memory of a rank during the
+sync (the high-water mark, reset just before, minus the resident size before): what the bound on the
+bucket is for. The children run with MALLOC_MMAP_THRESHOLD_ so freed tensors leave the resident set at
+once and the figure tracks live memory rather than malloc's cache.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MIB = 1 << 20
+
+
+def status_mib(key: str) -> float:
+    """A memory line of /proc/self/status (VmRSS, VmHWM) in MiB."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    raise ValueError(f"/proc/self/status has no {key} line")
+
+
+def reset_peak() -> None:
+    # Writing 5 to clear_refs resets the VmHWM high-water mark to the current resident size (Linux >= 4.0).
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+def child(args) -> None:
+    """One torchrun rank: shard the policy, build the engine, time sync_weights per bucket size."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from models import fsdp, load_model, load_tokenizer, resolve_model_dir
+    from rollout.sync import sync_weights
+
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        resolve_model_dir(None)
+    dist.barrier()
+    model_dir = resolve_model_dir(None)
+    if args.engine == "vllm":
+        from rollout.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(model_dir, max_model_len=512)
+    else:
+        from rollout.hf_engine import HFEngine
+
+        engine = HFEngine(load_model(model_dir), load_tokenizer(model_dir), shared=False)
+    policy = fsdp.shard(load_model(model_dir), init_device_mesh("cpu", (world_size,)), param_dtype=None)
+    sync_weights(policy, engine, bucket_bytes=1 << 30)  # warm-up: first-call costs are not the bucket's
+    rows = []
+    for bucket_mib in args.buckets:
+        seconds, load_seconds, peaks = [], [], []
+        for _ in range(args.repeats):
+            dist.barrier()
+            before = status_mib("VmRSS")
+            reset_peak()
+            metrics = sync_weights(policy, engine, bucket_bytes=bucket_mib * MIB)
+            peaks.append(status_mib("VmHWM") - before)
+            seconds.append(metrics["sync/seconds"])
+            load_seconds.append(metrics["sync/load_seconds"])
+        rows.append({
+            "bucket_mib": bucket_mib, "seconds": statistics.median(seconds),
+            "load_seconds": statistics.median(load_seconds), "buckets": metrics["sync/buckets"],
+            "max_bucket_mib": metrics["sync/max_bucket_bytes"] / MIB, "peak_extra_mib": max(peaks),
+            "model_mib": metrics["sync/bytes"] / MIB,
+        })
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, rows)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(gathered))
+    dist.barrier()
+    del engine
+    try:
+        dist.destroy_process_group()
+    except (AssertionError, RuntimeError, ValueError):
+        pass  # a vLLM external-launcher engine may already have torn the default group down
+
+
+def launch(args) -> None:
+    """Run this module under torchrun with 2 processes and print rank 0's table."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with tempfile.TemporaryDirectory() as directory:
+        out = Path(directory) / "sync.json"
+        torchrun = Path(sys.executable).with_name("torchrun")
+        command = [str(torchrun), "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
+                   "-m", "bench.sync", "--child", "--out", str(out), "--engine", args.engine,
+                   "--repeats", str(args.repeats), "--buckets", *[str(size) for size in args.buckets]]
+        environment = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                       "MALLOC_MMAP_THRESHOLD_": "65536"}
+        finished = subprocess.run(command, env=environment, capture_output=True, text=True)
+        if finished.returncode != 0:
+            sys.exit(f"torchrun failed ({finished.returncode}):\n{finished.stderr[-6000:]}")
+        ranks = json.loads(out.read_text())
+    print(f"engine {args.engine}, 2 ranks (FSDP2, gloo), model {ranks[0][0]['model_mib']:.0f} MiB fp32, "
+          f"median of {args.repeats}")
+    print(f"{'bucket MiB':>10} {'buckets':>7} {'largest MiB':>11} {'sync s':>7} {'engine s':>8} {'peak extra MiB (rank 0, 1)':>27}")
+    for row, other in zip(ranks[0], ranks[1]):
+        seconds = max(row["seconds"], other["seconds"])
+        print(f"{row['bucket_mib']:>10} {row['buckets']:>7.0f} {row['max_bucket_mib']:>11.0f} {seconds:>7.2f} "
+              f"{row['load_seconds']:>8.2f} {row['peak_extra_mib']:>13.0f} {other['peak_extra_mib']:>13.0f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    default_engine = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+    parser.add_argument("--engine", choices=["vllm", "hf"], default=default_engine)
+    parser.add_argument("--buckets", type=int, nargs="+", default=[16, 64, 256, 1024], help="bucket sizes, MiB")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="smoke run: buckets 64 and 1024 MiB, one repeat")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.buckets, args.repeats = [64, 1024], 1
+    if args.child:
+        child(args)
+    else:
+        launch(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Smoke runs of the benchmarks at their smallest sizes (bench/), each checked for figures that must hold:
+token counts that are known in advance, phases that must or must not run, logprob values that must agree,
+and the FLOP formula against a parameter count."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_step_quick_all_phases(tmp_path):
+    """Tiny model, 2 prompts x G=4, 8 tokens, no EOS: every step generates and trains exactly 64 tokens; a KL
+    term brings the reference logprob pass in and the engine copy brings a real weight sync."""
+    from bench.step import main
+
+    out = tmp_path / "step.json"
+    assert main(["--quick", "--no-eos", "--sync", "copy", "--out", str(out), "algorithm.kl_coef=0.01"]) == 0
+    result = json.loads(out.read_text())
+    assert len(result["steps"]) == 2 and result["peak_reset"] is True
+    for step in result["steps"]:
+        assert step["generated_tokens"] == step["trained_tokens"] == 2 * 4 * 8
+        assert step["completions"] == 8
+        for phase in ("rollout", "reward", "logprob", "update", "sync"):
+            entry = step["phases"][phase]
+            assert entry["ran"], phase
+            assert entry["seconds"] >= 0 and entry["peak_rss_bytes"] > 0
+        assert step["phases"]["rollout"]["rate"] == pytest.approx(64 / step["phases"]["rollout"]["seconds"])
+        assert step["phases"]["sync"]["rate"] > 0  # MB/s: the copy engine really received tensors
+    assert result["summary"]["measured_steps"] == 1
+
+
+def test_step_default_path_skips_logprob_and_sync(tmp_path):
+    """One process, ppo_epochs=1, no KL: no logprob pass and nothing to sync, and the table says so."""
+    from bench.step import main
+
+    out = tmp_path / "step.json"
+    assert main(["--quick", "--steps", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    phases = result["steps"][0]["phases"]
+    assert not phases["logprob"]["ran"] and phases["logprob"]["rate"] is None
+    assert phases["sync"]["rate"] is None and phases["update"]["ran"]
+    assert any(note.startswith("logprob: no pass runs") for note in result["notes"])
+
+
+def test_rewards_quick(tmp_path):
+    import rewards
+    from bench.rewards import evidence_cases, main
+
+    out = tmp_path / "rewards.json"
+    assert main(["--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    counts = {"scifact_evidence": 16 * 8, "verifier": 20 * 8, "factqa judge": 16 * 8}
+    for name, count in counts.items():
+        assert result["rewards"][name]["completions"] == count
+        assert result["rewards"][name]["completions_per_s"] > 0
+    assert result["cooccurrence"]["index"]["documents"] == 300
+    assert result["cooccurrence"]["uncached"]["queries"] == 40
+    assert result["cooccurrence"]["as_in_training"]["queries"] == 40 * 8
+    assert 0 < result["cooccurrence"]["uncached"]["median_ms"] < 1000
+    # The timed completions are the intended ones: the SFT target scores 1, an empty completion 0.
+    target, empty = evidence_cases(1)[0], evidence_cases(1)[7]
+    assert rewards.compute_score(*target)["score"] == 1.0 and rewards.compute_score(*empty)["score"] == 0.0
+
+
+def test_vs_trl_settings_match_on_both_sides(tmp_path):
+    from bench.vs_trl import fairness_settings
+    from launch.config import load_config
+
+    settings = fairness_settings(prompts=2, group=4, new_tokens=32, lr=1e-6, steps=3, seed=0, threads=2)
+    trl = settings["trl"]
+    cfg = load_config(None, settings["ours"] + [f"data.train_files=['{tmp_path / 'rows.jsonl'}']"])
+    assert (cfg.rollout.n, cfg.rollout.max_new_tokens, cfg.trainer.steps) == (trl["num_generations"],
+                                                                             trl["max_completion_length"], trl["max_steps"])
+    assert trl["generation_kwargs"] == {"min_new_tokens": 32}
+    assert cfg.trainer.prompts_per_step * cfg.rollout.n == cfg.trainer.micro_batch_size == trl["per_device_train_batch_size"]
+    assert (cfg.optim.lr, cfg.optim.grad_clip, cfg.optim.weight_decay) == (trl["learning_rate"], trl["max_grad_norm"],
+                                                                          trl["weight_decay"])
+    assert (cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k) == (trl["temperature"], trl["top_p"], trl["top_k"])
+    assert (cfg.algorithm.clip_low, cfg.algorithm.clip_high) == (trl["epsilon"], trl["epsilon_high"])
+    assert cfg.algorithm.kl_coef == trl["beta"] == 0 and cfg.algorithm.ppo_epochs == trl["num_iterations"] == 1
+    assert cfg.optim.schedule == trl["lr_scheduler_type"] == "constant" and cfg.data.shuffle is trl["shuffle_dataset"] is False
+    assert trl["bf16"] is False and trl["gradient_checkpointing"] is False and cfg.model.dtype == "float32"
+    with pytest.raises(ValueError, match="group >= 2"):
+        fairness_settings(prompts=2, group=1, new_tokens=32, lr=1e-6, steps=3, seed=0, threads=2)
+
+
+def test_vs_trl_compare_drops_warmup_and_pairs_steps():
+    from bench.vs_trl import compare
+
+    def side(seconds, peak, cpu_factor=1.0):
+        return {"step_seconds": seconds, "step_cpu_seconds": [cpu_factor * s for s in seconds],
+                "generated_tokens": [64] * len(seconds), "setup_peak_rss_bytes": peak,
+                "train_peak_rss_bytes": peak + 1, "phases": {"update": seconds}}
+    runs = [{"ours": side([9.0, 2.0, 3.0], 10), "trl": side([1.0, 4.0, 4.0], 20, cpu_factor=2.0)},
+            {"ours": side([9.0, 1.0, 6.0], 10), "trl": side([1.0, 4.0, 3.0], 30, cpu_factor=2.0)}]
+    summary = compare(runs)
+    # ratios 2/4, 3/4, 1/4, 6/3 (the first step of every run is warm-up)
+    assert summary["ratio"]["all"] == [0.5, 0.75, 0.25, 2.0]
+    assert summary["ratio"]["median"] == pytest.approx(0.625) and summary["ratio"]["min"] == 0.25
+    assert summary["cpu_ratio"]["all"] == [0.25, 0.375, 0.125, 1.0]  # TRL's CPU seconds are twice its wall time
+    assert summary["trl"]["peak_rss_bytes"] == 31 and summary["ours"]["median_step_seconds"] == 2.5
+
+
+def test_training_flops_formula_counts_qwen3_parameters():
+    from transformers import AutoModelForCausalLM
+
+    from bench.gpu_common import model_config, training_flops
+
+    config = model_config(tiny=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    counts = training_flops(config, batch=1, seq_len=2048, completion_len=1792)
+    assert counts["total_params"] == sum(p.numel() for p in model.parameters()) == 1_720_574_976
+    # 6 * 1,409,410,048 * 2048 + 6 * 151,936 * 2048 * 1792 + 12 * 28 * 16 * 128 * 2048^2
+    assert counts["flops"] == 6 * 1_409_410_048 * 2048 + 6 * 151_936 * 2048 * 1792 + 12 * 28 * 16 * 128 * 2048**2
+
+
+def test_gpu_script_on_cpu_tiny(tmp_path):
+    """bench/gpu.sh end to end on CPU with tiny shapes (vLLM's CPU start-up is too slow for the smoke run)."""
+    out = tmp_path / "gpu.json"
+    environment = {**os.environ, "PYTHON": sys.executable}
+    finished = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), str(out), "--device", "cpu", "--tiny",
+                               "--no-vllm"], capture_output=True, text=True, env=environment, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert "SKIPPED vllm_rollout: --no-vllm" in finished.stdout
+    result = json.loads(out.read_text())
+    assert result["missing_parts"] == [] and result["train"]["errors"] == {} and result["rollout"]["errors"] == {}
+    mfu = result["train"]["mfu"]
+    assert mfu["counted_params"] == mfu["total_params"] and mfu["mfu"] > 0
+    memory = result["train"]["logprob_memory"]
+    assert memory["vocab"] == 151_936 and memory["max_abs_diff"] < 1e-4
+    assert memory["peak_ratio_no_grad"] < 0.5  # chunks of 32 x V against the full [2, 48, V] logits
+    assert result["rollout"]["hf_rollout"]["generated_tokens"] == 2 * 2 * 4
