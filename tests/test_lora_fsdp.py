@@ -4,35 +4,18 @@ is the base model, merged weights stream from the shards, and LoRA checkpoints r
 All checks come from ONE torchrun launch of tests/dist_lora.py (each launch costs 10-20 s); the tests below
 read its results.json.
 """
-import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests_support import torchrun_results
+
 CASES = ["llama_tied", "qwen3_untied", "llama_untied_checkpointing"]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     out_dir = tmp_path_factory.mktemp("dist_lora")
-    torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-               str(ROOT / "tests" / "dist_lora.py"), str(out_dir)]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    finished = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=300)
-    assert finished.returncode == 0, f"torchrun failed ({finished.returncode}):\n{finished.stdout[-4000:]}\n{finished.stderr[-8000:]}"
-    return json.loads((out_dir / "results.json").read_text())
+    return torchrun_results("dist_lora.py", out_dir, timeout=300)
 
 
 def test_two_ranks_ran_every_case(results):

@@ -3,36 +3,19 @@ rank, a step and a bucketed sync. All checks come from ONE launch of tests/dist_
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests_support import torchrun_results
+
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 ENGINES = ["hf", "vllm"] if HAVE_VLLM else ["hf"]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     out_dir = tmp_path_factory.mktemp("dist_rollout")
-    torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-               str(ROOT / "tests" / "dist_rollout.py"), str(out_dir), ",".join(ENGINES)]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    finished = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=540)
-    assert finished.returncode == 0, f"torchrun failed ({finished.returncode}):\n{finished.stdout[-4000:]}\n{finished.stderr[-8000:]}"
-    return json.loads((out_dir / "results.json").read_text())
+    return torchrun_results("dist_rollout.py", out_dir, ",".join(ENGINES), timeout=540)
 
 
 def test_both_ranks_ran_every_engine(results):
