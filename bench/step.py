@@ -7,18 +7,20 @@ and peak memory of each phase, by running the real trainer (launch.build + grpo.
     python -m bench.step --quick                          # smoke run: tiny random model, 2 steps of 8 tokens
 
 Nothing in the step is re-implemented: the loop is train_rl itself, on the parts build() returns. The phases
-are observed from outside: the engine's generate is wrapped, a forward pre-hook on
-the policy (and reference) model marks the first logprob or training forward, and sync_weights and the
-logger are wrapped. Seconds come from the trainer's own per-step timers (time_logprob, time_update,
-time_sync); its time_rollout_reward is split into generate time (rollout) and the rest (reward: scoring).
-Checkpoint writing is switched off (it is not part of a step).
+are observed from outside: the engine's generate is wrapped, a forward pre-hook on the policy (and reference)
+model marks the first logprob or training forward, and sync_weights and the logger are wrapped. Seconds come
+from the trainer's own per-step timers (time_logprob, time_update, time_sync); its time_rollout_reward is
+split into generate time (rollout) and the rest (reward: scoring). Checkpoint writing is switched off (it is
+not part of a step). Step time is the sum of the five phases (the trainer's tokens_per_s uses the same sum).
 
 Memory: "peak RSS" of a phase is the process's resident-set high-water mark (VmHWM in /proc/self/status)
 between the phase's first and last moment, the mark being reset at every phase boundary (writing 5 to
 /proc/self/clear_refs); "extra" is that peak minus the RSS when the phase began. It counts every byte the
 process touched (weights, optimizer state, allocator caches), not only tensors; memory freed by an
 earlier phase but kept by the allocator is reused without showing up as extra. Where the reset is not
-permitted the numbers are the process-wide peak so far, and the JSON says so (peak_reset: false).
+permitted the numbers are the process-wide peak so far, and the JSON says so (peak_reset: false). The
+reward phase's memory window runs from the end of generation to the first forward, so it also covers the
+advantage arithmetic and batch padding.
 On CUDA the per-phase torch.cuda.max_memory_allocated is reported as well.
 """
 from __future__ import annotations

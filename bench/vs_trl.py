@@ -1,7 +1,7 @@
 """This trainer against TRL's GRPOTrainer on the same work, alternating A B A B, each run in its own process.
 
     python -m bench.vs_trl --trl-python /work/venv-trl/bin/python        # 2 prompts x G=4, 32 tokens, 2 rounds
-    python -m bench.vs_trl --trl-python PY --rounds 3 --steps 3 --out bench/results/vs_trl.json
+    python -m bench.vs_trl --trl-python PY --rounds 3 --steps 3 --threads 1 --out bench/results/vs_trl.json
     python -m bench.vs_trl --print-settings                             # the settings of both sides, then exit
     python -m bench.vs_trl --quick --trl-python PY                      # smoke run: tiny random model
 
@@ -11,6 +11,9 @@ subprocess running --steps measured steps after one warm-up step; a round gives 
 ours/TRL (step i of ours over step i of TRL in the same round). A step's time is end-to-end wall time:
 from the end of the previous step (for the first, the start of training) to the end of this one, so it
 includes generation, scoring, the update, weight sync (none in one process, on either side) and logging.
+The CPU-time ratio (each process's CPU seconds over the same intervals) is printed beside it: a machine
+shared with other jobs disturbs it less. Both sides run with --threads torch threads; on a busy 2-core
+machine --threads 1 gave steadier and faster steps on both sides than 2 (measured: bench/README.md).
 
 The same on both sides: the model (embedded SmolLM2-135M-Instruct, fp32, sdpa, loaded by models.load_model
 from one HF directory), its tokenizer and chat template (apply_chat_template with the generation prompt),
