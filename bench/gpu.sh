@@ -35,6 +35,12 @@ if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+if [ "$DEVICE" = cpu ]; then
+  # CPU peaks are resident-memory peaks: a fixed mmap threshold makes freed tensors leave the resident set
+  # at once (glibc otherwise raises the threshold and keeps them), so one pass's peak does not hide inside
+  # memory an earlier pass left behind (measured: chunked/naive ratio 0.0-0.71 without, 0.20 in 3 of 3 with).
+  export MALLOC_MMAP_THRESHOLD_=65536
+fi
 PARTS=$(mktemp -d)
 trap 'rm -rf "$PARTS"' EXIT
 STARTED=$(date +%s)

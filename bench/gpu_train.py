@@ -83,7 +83,6 @@ def measure_mfu(args, device: torch.device, mesh, attn: str) -> dict:
               "gradient_checkpointing": args.gradient_checkpointing}
     if device.type == "cuda":
         result["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated()
-    del model, optimizer
     return result
 
 
