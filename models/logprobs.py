@@ -85,6 +85,46 @@ def _output_projection(model: torch.nn.Module) -> tuple[Tensor, Tensor | None]:
     return weight, bias
 
 
+def prompt_groups(input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> tuple[Tensor, Tensor]:
+    """The distinct prompts of a pad_batch layout: (unique_rows [U] long, prompt_index [B] long), where
+    unique_rows[u] is the first row holding prompt u and row b holds prompt prompt_index[b].
+
+    >>> ids = torch.tensor([[0, 5, 9], [0, 5, 8], [4, 5, 7]])
+    >>> rows, index = prompt_groups(ids, (ids != 0).long(), prompt_len=2)
+    >>> rows.tolist(), index.tolist()
+    ([0, 2], [0, 0, 1])
+    """
+    # The mask joins the ids so a real token equal to pad_id is not taken for padding.
+    prompts = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len]], dim=1)
+    _, inverse = torch.unique(prompts, dim=0, return_inverse=True)
+    rows = torch.arange(len(prompts), device=prompts.device)
+    first = torch.full((int(inverse.max()) + 1,), len(prompts), device=prompts.device).scatter_reduce(
+        0, inverse, rows, reduce="amin")
+    order = first.argsort()  # number prompts by first appearance, so rows keep their order
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(len(order), device=order.device)
+    return first[order], rank[inverse]
+
+
+def _shared_prompt_hidden(model, batch: dict, prompt_len: int, unique_rows: Tensor, prompt_index: Tensor,
+                          captured: dict) -> Tensor:
+    """Final hidden states [B, T, H] predicting each completion token, with each distinct prompt run once.
+
+    Pass 1 runs the U distinct prompts ([U, Lp]) and keeps their KV cache; the cache is then gathered to the
+    B rows (prompt_index) and pass 2 runs the completions ([B, T]) on it. Gradients reach the prompt pass
+    through the cache. Column t of the result predicts completion token t: the prompt's last hidden state
+    for t = 0, completion column t-1 after.
+    """
+    prompt = {key: value[unique_rows, :prompt_len] for key, value in batch.items()}
+    cache = model(**prompt, use_cache=True, logits_to_keep=1).past_key_values
+    last_prompt_hidden = captured["hidden"][:, -1:]
+    cache.batch_select_indices(prompt_index)
+    model(input_ids=batch["input_ids"][:, prompt_len:], attention_mask=batch["attention_mask"],
+          position_ids=batch["position_ids"][:, prompt_len:], past_key_values=cache, use_cache=True,
+          logits_to_keep=1)
+    return torch.cat([last_prompt_hidden[prompt_index], captured["hidden"][:, :-1]], dim=1)
+
+
 def completion_logprobs(
     model: torch.nn.Module,
     batch: dict,
@@ -92,6 +132,7 @@ def completion_logprobs(
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     with_entropy: bool = False,
+    share_prompts: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Logprobs (and optionally entropies) of the completion tokens under `model`, scaled by temperature.
 
@@ -99,6 +140,9 @@ def completion_logprobs(
            completion_mask [B, T], prompt_len Lp).
     Returns (logprobs [B, T] float32, entropy [B, T] float32 or None); both are 0 where completion_mask is 0.
     Differentiable with respect to the model's parameters, for a plain HF model and an FSDP2-sharded one.
+    share_prompts: when rows repeat a prompt (GRPO's G completions per prompt), run each distinct prompt once
+           and the completions on its KV cache (`_shared_prompt_hidden`): the same values up to float
+           rounding, with a forward over U*Lp + B*T tokens instead of B*(Lp+T).
     """
     _check_common(temperature, chunk_size)
     input_ids, completion_mask, prompt_len = batch["input_ids"], batch["completion_mask"], int(batch["prompt_len"])
@@ -115,6 +159,8 @@ def completion_logprobs(
     # FSDP2 moves a sharded model's inputs to its compute device itself (also under CPU offload, where the
     # parameters' own device is the CPU); a plain model gets them on its parameters' device.
     input_device = model.get_output_embeddings().weight.device
+    batch = {key: batch[key].to(input_device) for key in ("input_ids", "attention_mask", "position_ids")}
+    input_ids = batch["input_ids"]
 
     captured: dict[str, Tensor] = {}
 
@@ -123,23 +169,24 @@ def completion_logprobs(
 
     handle = _final_hidden_module(model).register_forward_hook(keep_final_hidden)
     try:
-        # logits_to_keep=1: the model's own lm_head then runs on one position only ([B, 1, V], unused).
-        model(
-            input_ids=input_ids.to(input_device),
-            attention_mask=batch["attention_mask"].to(input_device),
-            position_ids=batch["position_ids"].to(input_device),
-            use_cache=False,
-            logits_to_keep=1,
-        )
+        unique_rows, prompt_index = prompt_groups(input_ids, batch["attention_mask"], prompt_len)
+        # Gradient checkpointing drops the KV cache inside transformers' checkpointed layers, so it takes the
+        # plain pass.
+        if (share_prompts and len(unique_rows) < batch_size and completion_len > 0
+                and not getattr(model, "is_gradient_checkpointing", False)):
+            hidden = _shared_prompt_hidden(model, batch, prompt_len, unique_rows, prompt_index, captured)
+        else:
+            # logits_to_keep=1: the model's own lm_head then runs on one position only ([B, 1, V], unused).
+            model(**batch, use_cache=False, logits_to_keep=1)
+            hidden = captured["hidden"][:, prompt_len - 1 : prompt_len - 1 + completion_len]
     finally:
         handle.remove()
     # Read the projection only now: under FSDP2 the root's parameters are gathered (plain tensors swapped in
     # for the shards) from its forward until its backward.
     weight, bias = _output_projection(model)
 
-    # Column Lp-1+t predicts completion token t; only real completion tokens are projected.
-    device = captured["hidden"].device
-    hidden = captured["hidden"][:, prompt_len - 1 : prompt_len - 1 + completion_len]
+    # hidden[:, t] (column Lp-1+t) predicts completion token t; only real completion tokens are projected.
+    device = hidden.device
     labels = input_ids[:, prompt_len:].to(device)
     selected = completion_mask.to(device) > 0
     logprobs_n, entropy_n = LogprobsFromHidden.apply(

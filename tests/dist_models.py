@@ -27,19 +27,24 @@ from models.tiny import tiny_model
 ENTROPY_COEFFICIENT = 0.01
 
 
-def make_batch(seed: int = 3):
-    """8 sequences of uneven prompt and completion lengths (some completions end early)."""
+def make_batch(seed: int = 3, grouped: bool = False):
+    """8 sequences of uneven prompt and completion lengths (some completions end early). grouped: 4 prompts
+    x 2 completions (GRPO's layout), so each rank's pass runs its 2 distinct prompts once (share_prompts)."""
     generator = torch.Generator().manual_seed(seed)
     prompt_lengths, completion_lengths = [3, 7, 5, 2, 6, 4, 8, 5], [5, 2, 6, 4, 1, 6, 3, 6]
     prompts = [torch.randint(3, 49152, (n,), generator=generator).tolist() for n in prompt_lengths]
+    if grouped:
+        prompts = [prompts[2 * (row // 2)] for row in range(len(prompts))]
     completions = [torch.randint(3, 49152, (n,), generator=generator).tolist() for n in completion_lengths]
     return prompts, completions
 
 
-def loss_of(model, prompts, completions, global_tokens: float, temperature: float = 0.8) -> torch.Tensor:
+def loss_of(model, prompts, completions, global_tokens: float, temperature: float = 0.8,
+            share_prompts: bool = True) -> torch.Tensor:
     """Token-mean policy-gradient-like loss over the GLOBAL token count, plus an entropy bonus."""
     batch = pad_batch(prompts, completions, pad_id=2)
-    logprobs, entropy = completion_logprobs(model, batch, temperature=temperature, chunk_size=5, with_entropy=True)
+    logprobs, entropy = completion_logprobs(model, batch, temperature=temperature, chunk_size=5, with_entropy=True,
+                                            share_prompts=share_prompts)
     mask = batch["completion_mask"]
     return -((logprobs + ENTROPY_COEFFICIENT * entropy) * mask).sum() / global_tokens
 
@@ -69,15 +74,19 @@ def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
 
 def compare_case(arch: str, tie: bool, param_dtype, mesh, results: dict, out_dir: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    prompts, completions = make_batch()
+    # Qwen3 cases: repeated prompts, so the sharded side runs two forwards (prompts, then completions on their
+    # cache) before one backward; the reference runs the plain single pass.
+    prompts, completions = make_batch(grouped=arch == "qwen3")
     global_tokens = float(sum(len(c) for c in completions))
     # One process: the whole batch through an unsharded fp32 copy.
     reference = tiny_model(arch, tie_word_embeddings=tie, seed=11)
     reference_copy = tiny_model(arch, tie_word_embeddings=tie, seed=11)
-    reference_loss = loss_of(reference, prompts, completions, global_tokens)
+    reference_loss = loss_of(reference, prompts, completions, global_tokens, share_prompts=False)
     reference_loss.backward()
     reference_grads = {name: p.grad for name, p in reference.named_parameters()}
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    # eps 1e-3: Adam's first step is lr * g / (|g| + eps); the default eps (1e-8) turns float32 noise on a
+    # near-zero gradient entry into a whole-lr difference, which says nothing about the sharded optimizer.
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-3)
     reference_optimizer.step()
     bytes_one_process = training_bytes(reference, reference_optimizer)
 
@@ -98,7 +107,7 @@ def compare_case(arch: str, tie: bool, param_dtype, mesh, results: dict, out_dir
     total_loss = loss.detach().clone()
     dist.all_reduce(total_loss)
     grads = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for name, p in model.named_parameters()}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
     optimizer.step()
     bytes_sharded = training_bytes(model, optimizer)
     stepped = dict(fsdp.full_state_dict(model))

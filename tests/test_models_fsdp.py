@@ -31,8 +31,9 @@ def test_fp32_sharded_equals_one_process(results, case):
     # two at |loss| ~ 11, hence 1e-6 relative.
     assert measured["loss_abs_diff"] <= 1e-6 * max(1.0, abs(measured["loss"]))
     assert measured["grad_max_abs_diff"] <= 1e-6, measured
-    # Adam's first step is about lr * g/|g|: a gradient entry near 0 amplifies 1e-7 differences; lr = 1e-2.
-    assert measured["step_max_abs_diff"] <= 1e-4, measured
+    # Adam's first step is lr * g / (|g| + eps) with lr 1e-2, eps 1e-3: at most lr / eps = 10x the gradient
+    # difference.
+    assert measured["step_max_abs_diff"] <= 1e-5, measured
 
 
 @pytest.mark.parametrize("case", BF16_CASES)

@@ -7,7 +7,7 @@ import torch
 
 import models.batching
 from models.batching import pad_batch
-from models.logprobs import completion_logprobs, token_entropy, token_logprobs
+from models.logprobs import completion_logprobs, prompt_groups, token_entropy, token_logprobs
 from models.tiny import tiny_model
 
 
@@ -130,6 +130,58 @@ def test_completion_logprobs_with_gradient_checkpointing_matches():
     torch.testing.assert_close(checkpointed, plain, atol=0, rtol=0)
     for name, parameter in model.named_parameters():
         torch.testing.assert_close(parameter.grad, expected[name], atol=1e-6, rtol=1e-6, msg=name)
+
+
+def grouped_batch(seed: int, prompt_lengths, completion_lengths, group: int):
+    """Each prompt repeated `group` times in consecutive rows, as GRPO lays out P x G completions."""
+    prompts, completions = random_pairs(seed, prompt_lengths, completion_lengths)
+    return pad_batch([p for p in prompts for _ in range(group)], completions, pad_id=2)
+
+
+def test_prompt_groups_numbers_distinct_prompts_by_first_row():
+    ids = torch.tensor([[0, 7, 1], [4, 5, 1], [0, 7, 2], [4, 5, 3], [0, 0, 4]])
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 1, 1], [1, 1, 1], [0, 1, 1]])
+    # Row 4's prompt [0 (a real token), 0 (padding)] differs from padding-only: the mask tells them apart.
+    mask[4, 1] = 0
+    rows, index = prompt_groups(ids, mask, prompt_len=2)
+    assert rows.tolist() == [0, 1, 4] and index.tolist() == [0, 1, 0, 1, 2]
+
+
+@pytest.mark.parametrize("arch, tie", [("llama", True), ("qwen3", False)])
+def test_shared_prompt_pass_equals_plain_pass_with_gradients(arch, tie):
+    model = tiny_model(arch, tie_word_embeddings=tie)
+    # 3 prompts x 3 completions of uneven lengths (one empty completion, one of a single token).
+    batch = grouped_batch(4, [5, 3, 7], [4, 1, 6, 0, 5, 3, 6, 6, 2], group=3)
+    forwards = []
+    model.model.register_forward_hook(lambda module, args, output: forwards.append(tuple(output.last_hidden_state.shape)))
+    results = {}
+    for share in (False, True):
+        model.zero_grad()
+        logprobs, entropy = completion_logprobs(model, batch, temperature=0.7, chunk_size=4, with_entropy=True,
+                                                share_prompts=share)
+        ((logprobs - 0.3 * entropy) * batch["completion_mask"]).sum().backward()
+        results[share] = logprobs, entropy, {name: p.grad.clone() for name, p in model.named_parameters()}
+    # Plain: one pass over [9, 7 + 6]; shared: the 3 distinct prompts, then the 9 completions on their cache.
+    assert forwards == [(9, 13, 64), (3, 7, 64), (9, 6, 64)]
+    torch.testing.assert_close(results[True][0], results[False][0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(results[True][1], results[False][1], atol=1e-6, rtol=0)
+    assert (results[True][0][batch["completion_mask"] == 0] == 0).all()
+    for name, gradient in results[False][2].items():
+        torch.testing.assert_close(results[True][2][name], gradient, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_shared_prompt_pass_is_skipped_under_gradient_checkpointing_and_for_distinct_prompts():
+    model = tiny_model("qwen3", tie_word_embeddings=False)
+    forwards = []
+    model.model.register_forward_hook(lambda module, args, output: forwards.append(tuple(output.last_hidden_state.shape)))
+    grouped = grouped_batch(5, [4, 2], [3, 5, 2, 4], group=2)
+    expected, _ = completion_logprobs(model, grouped, share_prompts=False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    checkpointed, _ = completion_logprobs(model, grouped)  # the checkpointed layers would drop the KV cache
+    torch.testing.assert_close(checkpointed, expected, atol=0, rtol=0)
+    completion_logprobs(model, pad_batch(*random_pairs(6, [4, 2], [3, 5]), pad_id=2))  # nothing to share
+    assert forwards == [(4, 9, 64), (4, 9, 64), (2, 9, 64)]
 
 
 def test_completion_logprobs_rejects_bad_batch_and_softcapped_models():
