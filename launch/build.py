@@ -92,6 +92,8 @@ def check_config(cfg: Config, dist) -> tuple[list[dict], list[dict]]:
         if cfg.stage == "sft" and not isinstance(row.get("extra_info", {}).get("target"), str):
             raise ConfigError(f"stage=sft needs extra_info.target in every row; row index "
                               f"{row.get('extra_info', {}).get('index')} has none")
+    if cfg.rollout.num_threads is not None and cfg.rollout.num_threads < 1:
+        raise ConfigError(f"rollout.num_threads={cfg.rollout.num_threads}: give at least 1, or null for torch's setting")
     if cfg.stage == "rl" and cfg.rollout.n < 2:
         raise ConfigError(f"rollout.n={cfg.rollout.n}: a group needs at least 2 completions for a baseline")
     batch = cfg.trainer.prompts_per_step * cfg.rollout.n
@@ -182,8 +184,10 @@ def build(cfg: Config, dist, *, resume: bool = False) -> Parts:
         shard(model, dist.mesh, param_dtype=param_dtype)
         if ref_model is not None:
             shard(ref_model, dist.mesh, param_dtype=param_dtype)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                                  weight_decay=cfg.optim.weight_decay)
+    # fused: one kernel over all parameters (CPU and CUDA, DTensor shards too); measured 4x faster than the
+    # per-parameter loop on CPU (bench/README.md).
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr,
+                                  betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
         step, warmup_steps=cfg.optim.warmup_steps, total_steps=cfg.trainer.steps, schedule=cfg.optim.schedule,
         min_ratio=cfg.optim.min_lr_ratio))
@@ -260,10 +264,10 @@ def _build_engine(cfg: Config, dist, model, tokenizer, source, load):
     from rollout.hf_engine import HFEngine
     if dist.world_size == 1:
         # One process: the engine generates with the policy module itself; nothing to sync.
-        return HFEngine(model, tokenizer, shared=True), (lambda: {})
+        return HFEngine(model, tokenizer, shared=True, num_threads=cfg.rollout.num_threads), (lambda: {})
     # Under FSDP every forward is a collective, and ranks stop generating at different times: the engine
     # needs its own full copy, refreshed from the shards after every update.
-    engine = HFEngine(load_model_copy(source, load), tokenizer, shared=False)
+    engine = HFEngine(load_model_copy(source, load), tokenizer, shared=False, num_threads=cfg.rollout.num_threads)
     engine_sync = lambda: sync_weights(model, engine, bucket_bytes=bucket)
     engine_sync()
     return engine, engine_sync

@@ -100,6 +100,9 @@ class RolloutConfig:
     """Top-k sampling; 0 is off."""
     stop: list[str] = field(default_factory=list)
     """Stop strings; the completion is cut after the stop string."""
+    num_threads: int | None = None
+    """torch threads while the transformers engine generates; null keeps torch's setting (all cores). 1 is
+    faster on a CPU shared with other jobs (rollout/engine.py torch_threads)."""
     sync_bucket_mb: int = 1024
     """Weight-sync bucket size into the engine."""
     vllm_kv_cache_mb: int = 256

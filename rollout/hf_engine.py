@@ -30,7 +30,8 @@ class HFEngine:
     eos_token_ids: token ids that end a completion (finish reason "stop"); default: the tokenizer's eos.
     max_context:   the most tokens a sequence may hold; default: the model's max_position_embeddings.
     num_threads:   torch intra-op threads while generating (see `rollout.engine.torch_threads`); the caller's
-                   setting is restored afterwards. None leaves torch's setting as it is.
+                   setting is restored afterwards. None leaves torch's setting as it is; 1 is faster on a
+                   CPU that other jobs share.
     """
 
     def __init__(
@@ -41,7 +42,7 @@ class HFEngine:
         shared: bool = True,
         eos_token_ids: Sequence[int] | None = None,
         max_context: int | None = None,
-        num_threads: int | None = 1,
+        num_threads: int | None = None,
     ):
         sharded = [name for name, parameter in model.named_parameters() if type(parameter).__name__ == "DTensor"]
         if sharded:
@@ -90,7 +91,7 @@ class HFEngine:
         self.model.eval()
         try:
             with torch.no_grad(), torch_threads(self.num_threads):
-                return self._sample(rows, max_new_tokens, temperature, top_p, top_k, stop_strings, seed)
+                return self._sample(prompts, n, max_new_tokens, temperature, top_p, top_k, stop_strings, seed)
         except RuntimeError as error:
             if is_out_of_memory(error):
                 raise_out_of_memory(error, len(rows), max_new_tokens)
@@ -98,20 +99,22 @@ class HFEngine:
         finally:
             self.model.train(was_training)
 
-    def _sample(self, rows, max_new_tokens, temperature, top_p, top_k, stop_strings, seed) -> list[Completion]:
-        """The decoding loop. Rows that finish leave the batch: `active` maps batch rows to `rows` indices."""
+    def _sample(self, prompts, n, max_new_tokens, temperature, top_p, top_k, stop_strings, seed) -> list[Completion]:
+        """The decoding loop. Each distinct prompt is prefilled once and its KV cache copied to its n rows.
+        Rows that finish leave the batch: `active` maps batch rows to `rows` indices."""
         device = self.model.get_input_embeddings().weight.device
         generator = torch.Generator(device=device)
         generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        rows = [list(prompt) for prompt in prompts for _ in range(n)]
         batch_size = len(rows)
         # Per-row budget: max_new_tokens, cut to what the context leaves after the prompt.
         budget = [min(max_new_tokens, self.max_context - len(row)) for row in rows]
-        prompt_len = max(len(row) for row in rows)
-        input_ids = torch.full((batch_size, prompt_len), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((batch_size, prompt_len), dtype=torch.long)
-        for index, row in enumerate(rows):
-            input_ids[index, prompt_len - len(row):] = torch.tensor(row)
-            attention_mask[index, prompt_len - len(row):] = 1
+        prompt_len = max(len(prompt) for prompt in prompts)
+        input_ids = torch.full((len(prompts), prompt_len), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), prompt_len), dtype=torch.long)
+        for index, prompt in enumerate(prompts):
+            input_ids[index, prompt_len - len(prompt):] = torch.tensor(prompt)
+            attention_mask[index, prompt_len - len(prompt):] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         # The same positions as models.batching.pad_batch, so rollout and trainer logprobs agree.
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -121,11 +124,16 @@ class HFEngine:
         finish_reason = ["length"] * batch_size
         active = list(range(batch_size))
         cache = _new_cache(self.model)
+        prefill_rows = torch.arange(len(prompts), device=device).repeat_interleave(n)
         while True:
             logits = self.model(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 past_key_values=cache, use_cache=True, logits_to_keep=1,
             ).logits[:, -1, :]
+            if prefill_rows is not None:  # after the prefill: from one row per prompt to n
+                cache.batch_select_indices(prefill_rows)
+                logits, attention_mask = logits[prefill_rows], attention_mask[prefill_rows]
+                position_ids, prefill_rows = position_ids[prefill_rows], None
             if self.num_text_tokens < logits.shape[-1]:
                 logits[:, self.num_text_tokens:] = float("-inf")
             tokens, token_logprobs = sample_next_tokens(

@@ -66,6 +66,7 @@ def test_bad_configs_models_and_checkpoints(setup, capsys, tiny_model_dir):
         (["--config", str(broken_yaml)], r"broken\.yaml: not valid YAML"),
         (["rollout.n=1"], r"rollout\.n=1"),
         (["trainer.micro_batch_size=3"], r"trainer\.micro_batch_size=3 does not divide"),
+        (["rollout.num_threads=0"], r"rollout\.num_threads=0: give at least 1"),
         (["data.max_prompt_tokens=3"], r"longer than data\.max_prompt_tokens=3"),
         ([f"model.name_or_path={tmp / 'nowhere'}"], r"model\.name_or_path: .*nowhere"),
         ([f"model.name_or_path={no_weights}"], r"model\.name_or_path: .*no_weights"),

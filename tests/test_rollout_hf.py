@@ -64,6 +64,17 @@ def test_update_weights_copies_by_name_unless_shared(tokenizer):
     assert torch.equal(policy.model.norm.weight, owned.model.norm.weight)
 
 
+def test_each_prompt_is_prefilled_once(tokenizer):
+    model = tiny_model()
+    batch_shapes = []
+    model.model.register_forward_hook(lambda module, args, output: batch_shapes.append(tuple(output.last_hidden_state.shape)))
+    completions = sample(HFEngine(model, tokenizer, eos_token_ids=[]), n=3, max_new_tokens=2)
+    # The 2 prompts (left-padded to 4) run once; their caches then serve 3 rows each.
+    assert batch_shapes == [(2, 4, 64), (6, 1, 64)]
+    assert [c.prompt_ids for c in completions] == [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3
+    assert len({tuple(c.completion_ids) for c in completions[:3]}) > 1  # the n rows sample independently
+
+
 def test_completions_stop_at_the_context(tokenizer):
     engine = HFEngine(tiny_model(), tokenizer, max_context=7, eos_token_ids=[])
     completions = sample(engine, max_new_tokens=10)
@@ -110,10 +121,10 @@ def test_generation_runs_at_one_thread_and_restores_the_callers(tokenizer):
     model.register_forward_pre_hook(lambda module, args: seen.append(torch.get_num_threads()))
     torch.set_num_threads(2)
     try:
-        sample(HFEngine(model, tokenizer))
+        sample(HFEngine(model, tokenizer, num_threads=1))
         assert set(seen) == {1} and torch.get_num_threads() == 2
         seen.clear()
-        sample(HFEngine(model, tokenizer, num_threads=None))  # None: the caller's setting is used as is
+        sample(HFEngine(model, tokenizer))  # None (the default): the caller's setting is used as is
         assert set(seen) == {2}
     finally:
         torch.set_num_threads(min(2, os.cpu_count() or 1))
