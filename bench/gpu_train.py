@@ -43,7 +43,7 @@ def measure_mfu(args, device: torch.device, mesh, attn: str) -> dict:
     model.train()
     compute_dtype = torch.bfloat16 if device.type == "cuda" else None  # CPU bf16 matmuls are slow: fp32 there
     shard(model, mesh, param_dtype=compute_dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)  # as launch/build.py builds it
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)  # as launch/build.py builds it
     batch = _batch(model.config, args.batch, args.seq_len, args.prompt_len, device)
     mask = batch["completion_mask"].float()
     advantages = torch.randn(args.batch, device=device)

@@ -22,7 +22,8 @@ reward (rewards.compute_score for scifact_evidence; TRL gets it wrapped in its r
 prompts x G completions per step in one generation batch and one micro-batch, sampling (temperature 1,
 top_p 1, top_k 0), exactly N new tokens per completion (see below), GRPO with group-scaled advantages,
 clip 0.2/0.2, token-mean ("dapo") loss, no KL and no reference model, one update per rollout (no old-logprob
-pass on either side), AdamW (torch.optim.AdamW, betas 0.9/0.999, no weight decay), constant learning rate,
+pass on either side), fused AdamW (torch.optim.AdamW(fused=True), betas 0.9/0.999, no weight decay: ours
+builds it in launch/build.py, TRL gets optim="adamw_torch_fused"), constant learning rate,
 gradient clipping at 1.0, torch threads, seed.
 
 Settings that differ from a side's defaults, and why:
@@ -31,7 +32,7 @@ Settings that differ from a side's defaults, and why:
   P*G*N completion tokens per step (the JSON reports the counts each side saw), so no side wins by
   stopping early. The sampled distributions differ only in whether EOS could be drawn.
 - TRL: bf16=False and gradient_checkpointing=False (its defaults are True; ours is fp32 without
-  checkpointing); optim="adamw_torch" (transformers' default is the fused AdamW); lr_scheduler_type
+  checkpointing); optim="adamw_torch_fused" stated explicitly (transformers' default for torch >= 2.8); lr_scheduler_type
   "constant" (HF's default decays linearly); beta=0, loss_type "dapo", epsilon 0.2 stated explicitly.
 - ours: trainer.micro_batch_size = P*G (one backward per step, as TRL's per_device_train_batch_size = P*G).
 Generation differs by design: ours is rollout.hf_engine.HFEngine (its own KV-cache loop), TRL's is
@@ -72,7 +73,7 @@ def fairness_settings(*, prompts: int, group: int, new_tokens: int, lr: float, s
                max_completion_length=new_tokens, generation_kwargs={"min_new_tokens": new_tokens},
                temperature=1.0, top_p=1.0, top_k=0, learning_rate=lr, weight_decay=0.0, adam_beta1=0.9,
                adam_beta2=0.999, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
-               optim="adamw_torch", scale_rewards="group", epsilon=0.2, epsilon_high=0.2, loss_type="dapo",
+               optim="adamw_torch_fused", scale_rewards="group", epsilon=0.2, epsilon_high=0.2, loss_type="dapo",
                beta=0.0, num_iterations=1, mask_truncated_completions=False, shuffle_dataset=False,
                max_steps=steps, bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True, seed=seed,
                logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
@@ -81,7 +82,8 @@ def fairness_settings(*, prompts: int, group: int, new_tokens: int, lr: float, s
         "exactly N new tokens: ours samples with an end-of-sequence id that is never drawn; TRL gets "
         "generation_kwargs min_new_tokens=N",
         "TRL bf16=False, gradient_checkpointing=False (TRL defaults True; ours fp32, no checkpointing)",
-        "TRL optim=adamw_torch (transformers defaults to the fused AdamW); lr_scheduler_type=constant",
+        "TRL optim=adamw_torch_fused (the fused AdamW ours uses; transformers' default for torch >= 2.8); "
+        "lr_scheduler_type=constant",
         f"ours trainer.micro_batch_size={batch} (= TRL per_device_train_batch_size: one backward per step)",
         f"torch threads {threads} on both sides"]
     return {"ours": ours, "trl": trl, "differences": differences, "threads": threads,
