@@ -35,6 +35,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from bench.report import write_results
+
 SHARED_DATA = Path(os.environ.get("NANOGRPO_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 GROUP = 8
 RAMBLE = " ".join(["The model keeps writing text that is not part of the requested format."] * 6)
@@ -222,9 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"query latency {mode:<15} median {row['median_ms']:.3f} ms, p90 {row['p90_ms']:.3f} ms, "
               f"max {row['max_ms']:.3f} ms over {row['queries']} queries ({row['nonzero_counts']} nonzero)")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=1))
-        print(f"wrote {args.out}")
+        write_results(args.out, results)
     return 0
 
 

@@ -26,7 +26,6 @@ On CUDA the per-phase torch.cuda.max_memory_allocated is reported as well.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -34,6 +33,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench.report import write_results
 
 PHASES = ("rollout", "reward", "logprob", "update", "sync")
 
@@ -340,9 +341,7 @@ def main(argv: list[str] | None = None) -> int:
                           "cpus": os.cpu_count(), "load_average": os.getloadavg()}
     print_table(result["summary"], result)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out}")
+        write_results(args.out, result)
     return 0
 
 

@@ -53,6 +53,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.report import write_results
+
 
 def fairness_settings(*, prompts: int, group: int, new_tokens: int, lr: float, steps: int, seed: int,
                       threads: int) -> dict:
@@ -298,10 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     print("settings that differ: " + "; ".join(settings["differences"]))
     print(f"load average (1 min) before and after each round: {[round(l[0], 2) for l in load]}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"settings": settings, "runs": runs, "summary": summary,
-                                              "load_average": load, "trl_python": args.trl_python}, indent=1))
-        print(f"wrote {args.out}")
+        write_results(args.out, {"settings": settings, "runs": runs, "summary": summary, "load_average": load,
+                                 "trl_python": args.trl_python})
     return 0
 
 

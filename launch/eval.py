@@ -13,10 +13,12 @@ Token counts are generated tokens, the end-of-sequence token included.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 from data.jsonio import atomic_write_text
 from data.metrics import FACTQA, score_example, summarize
@@ -266,24 +268,35 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def exit_2_on_bad_input(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
+    """For a command's main(argv) (this one and launch.plot's): bad input, a ValueError or FileNotFoundError whose
+    message names the file, row, key or value, prints `error: MESSAGE` on stderr and returns exit status 2
+    instead of a traceback."""
+    @functools.wraps(main)
+    def checked(argv: list[str] | None = None) -> int:
+        try:
+            return main(argv)
+        except (ValueError, FileNotFoundError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+    return checked
+
+
+@exit_2_on_bad_input
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        if argv[:1] == ["compare"]:
-            parser = argparse.ArgumentParser(prog="python -m launch.eval compare",
-                                             description="markdown tables comparing evaluated runs side by side")
-            parser.add_argument("directories", nargs="+", help="launch.eval output directories")
-            parser.add_argument("--out", default=None, help="also write the tables to this file")
-            args = parser.parse_args(argv[1:])
-            table = compare(args.directories)
-            if args.out:
-                atomic_write_text(args.out, table)
-            print(table)
-        else:
-            evaluate_command(parse_args(argv))
-    except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    if argv[:1] == ["compare"]:
+        parser = argparse.ArgumentParser(prog="python -m launch.eval compare",
+                                         description="markdown tables comparing evaluated runs side by side")
+        parser.add_argument("directories", nargs="+", help="launch.eval output directories")
+        parser.add_argument("--out", default=None, help="also write the tables to this file")
+        args = parser.parse_args(argv[1:])
+        table = compare(args.directories)
+        if args.out:
+            atomic_write_text(args.out, table)
+        print(table)
+    else:
+        evaluate_command(parse_args(argv))
     return 0
 
 

@@ -16,6 +16,8 @@ import math
 import sys
 from pathlib import Path
 
+from launch.eval import exit_2_on_bad_input, load_evaluation
+
 # (metrics.jsonl key, panel title), drawn when any run logged the key. SFT runs log only "loss".
 CURVES = (("reward_mean", "reward"), ("acc", "accuracy"), ("format_rate", "format success"),
           ("response_length_mean", "response length (tokens)"), ("kl", "KL"), ("entropy", "entropy"),
@@ -65,7 +67,6 @@ def read_evaluations(directory: Path, name: str) -> dict[str, dict[str, dict]]:
     ({"before": {...}, "after": {...}}, as "NAME before" / "NAME after" under "held-out (trainer)")."""
     evaluations = {}
     if (directory / "metrics.json").is_file():
-        from launch.eval import load_evaluation
         evaluations[name] = load_evaluation(directory)["metrics"]
     if (directory / "eval.json").is_file():
         path = directory / "eval.json"
@@ -170,6 +171,7 @@ def plot_runs(directories: list[str], out: Path) -> list[Path]:
     return written
 
 
+@exit_2_on_bad_input
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.plot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -178,12 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out) if args.out else (Path(args.directories[0]) / "plots" if len(args.directories) == 1
                                            else Path("plots"))
-    try:
-        for path in plot_runs(args.directories, out):
-            print(path)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    for path in plot_runs(args.directories, out):
+        print(path)
     return 0
 
 

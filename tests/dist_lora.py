@@ -8,21 +8,17 @@ shards loads in plain peft / transformers and resumes adapter and optimizer stat
 """
 from __future__ import annotations
 
-import json
-import os
-import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from models import fsdp
 from models.batching import pad_batch
 from models.logprobs import completion_logprobs
 from models.lora import apply_lora, disabled_adapters, load_lora_checkpoint, merged_state_dict, save_lora_checkpoint
 from models.tiny import tiny_model
+from tests_support import full_tensor, resume_check, run_under_torchrun
 
 VOCAB = 4096
 RANK, ALPHA = 4, 8.0
@@ -59,10 +55,6 @@ def loss_of(model, prompts, completions, global_tokens: float) -> torch.Tensor:
     return -(logprobs * batch["completion_mask"]).sum() / global_tokens
 
 
-def full(tensor):
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
 def train_two_steps(model, rows: slice, sharded: bool) -> dict:
     """Two AdamW steps with a disabled-adapter (reference) pass before the second; losses, adapter grads."""
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
@@ -80,7 +72,8 @@ def train_two_steps(model, rows: slice, sharded: bool) -> dict:
         if sharded:
             dist.all_reduce(total)
         out["losses"].append(total.item())
-        out["grads"].append({name: full(p.grad).clone() for name, p in model.named_parameters() if p.grad is not None})
+        out["grads"].append({name: full_tensor(p.grad).clone() for name, p in model.named_parameters()
+                             if p.grad is not None})
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     out["optimizer"] = optimizer
@@ -142,41 +135,18 @@ def checkpoint_round_trip(arch, tie, model, optimizer, directory: Path) -> dict:
         with torch.no_grad():
             out["peft_logits_max_abs_diff"] = (peft_model(input_ids=probe).logits - sharded_logits).abs().max().item()
             out["merged_export_logits_max_abs_diff"] = (exported(input_ids=probe).logits - sharded_logits).abs().max().item()
-    before = {n: t.clone() for n, t in fsdp.full_state_dict(model)}
-    first_state = optimizer.state[next(iter(optimizer.state))]
-    before_state = {k: full(v).clone() for k, v in first_state.items() if v.dim() > 0}
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_" in name:
-                parameter.mul_(0.5)
-    for state in optimizer.state.values():
-        for value in state.values():
-            value.zero_()
-    step, extra = load_lora_checkpoint(directory, model, optimizer)
-    after = dict(fsdp.full_state_dict(model))
-    after_state = {k: full(v) for k, v in optimizer.state[next(iter(optimizer.state))].items() if v.dim() > 0}
-    out["resume_step_extra"] = [step, extra]
-    out["resume_weights_equal"] = all(torch.equal(before[n], after[n]) for n in before)
-    out["resume_optimizer_equal"] = bool(before_state) and all(torch.equal(before_state[k], after_state[k]) for k in before_state)
+    out.update(resume_check(model, optimizer, lambda: load_lora_checkpoint(directory, model, optimizer)))
     return out
 
 
-def main() -> None:
-    out_dir = Path(sys.argv[1])
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    shared = Path(fsdp.broadcast_object(tempfile.mkdtemp(dir=out_dir) if dist.get_rank() == 0 else None))
-    results: dict = {"world_size": dist.get_world_size()}
+def run_cases(mesh, shared: Path) -> dict:
+    """Every case's measurements, keyed by case name; each in its own checkpoint directory under `shared`."""
+    results = {}
     for arch, tie, checkpointing in [("llama", True, False), ("qwen3", False, False), ("llama", False, True)]:
         key = f"{arch}_{'tied' if tie else 'untied'}{'_checkpointing' if checkpointing else ''}"
         results[key] = run_case(arch, tie, checkpointing, mesh, shared / key)
-    if dist.get_rank() == 0:
-        (out_dir / "results.json").write_text(json.dumps(results, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    return results
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main()
+    run_under_torchrun(run_cases)

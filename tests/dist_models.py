@@ -7,15 +7,10 @@ reloads to identical logits, distributed resume, and rank-0 loading with meta in
 """
 from __future__ import annotations
 
-import json
-import os
-import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from models import fsdp
@@ -23,6 +18,7 @@ from models.batching import pad_batch
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.logprobs import completion_logprobs
 from models.tiny import tiny_model
+from tests_support import resume_check, run_under_torchrun
 
 ENTROPY_COEFFICIENT = 0.01
 
@@ -154,40 +150,19 @@ def export_and_resume(model, optimizer, mesh, directory: Path) -> dict:
         loaded_logits = loaded(input_ids=probe).logits
     out["rank0_load_logits_max_abs_diff"] = (loaded_logits - sharded_logits).abs().max().item()
     # Resume: scramble, then load_checkpoint must restore weights and optimizer state exactly.
-    before = {n: t.clone() for n, t in fsdp.full_state_dict(model)}
-    before_state = {k: v.full_tensor().clone() for k, v in optimizer.state[next(iter(optimizer.state))].items() if isinstance(v, DTensor)}
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(0.5)
-    for state in optimizer.state.values():
-        for value in state.values():
-            value.zero_()
-    step, extra = load_checkpoint(directory, model, optimizer)
-    after = dict(fsdp.full_state_dict(model))
-    after_state = {k: v.full_tensor() for k, v in optimizer.state[next(iter(optimizer.state))].items() if isinstance(v, DTensor)}
-    out["resume_step_extra"] = [step, extra]
-    out["resume_weights_equal"] = all(torch.equal(before[n], after[n]) for n in before)
-    out["resume_optimizer_equal"] = bool(before_state) and all(torch.equal(before_state[k], after_state[k]) for k in before_state)
+    out.update(resume_check(model, optimizer, lambda: load_checkpoint(directory, model, optimizer)))
     return out
 
 
-def main() -> None:
-    out_dir = Path(sys.argv[1])
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    results: dict = {"world_size": dist.get_world_size()}
-    shared = fsdp.broadcast_object(tempfile.mkdtemp(dir=out_dir) if dist.get_rank() == 0 else None)
+def run_cases(mesh, shared: Path) -> dict:
+    """Every case's measurements, keyed by case name; fp32 cases also export and resume under `shared`."""
+    results: dict = {}
     for arch, tie in [("llama", True), ("llama", False), ("qwen3", True), ("qwen3", False)]:
-        compare_case(arch, tie, None, mesh, results, Path(shared))
+        compare_case(arch, tie, None, mesh, results, shared)
     for arch, tie in [("llama", True), ("qwen3", False)]:
-        compare_case(arch, tie, torch.bfloat16, mesh, results, Path(shared))
-    if dist.get_rank() == 0:
-        (out_dir / "results.json").write_text(json.dumps(results, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+        compare_case(arch, tie, torch.bfloat16, mesh, results, shared)
+    return results
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main()
+    run_under_torchrun(run_cases)
