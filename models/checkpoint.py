@@ -8,8 +8,10 @@ directory that `latest_checkpoint` never returns. Layout of `step_<n>/`:
     model.safetensors, config.json, generation_config.json, tokenizer files   (rank 0)
     optimizer/                 torch.distributed.checkpoint files             (every rank)
     rng/rank_<r>.safetensors   torch / CUDA / generator states; rng/rank_<r>.json: python and numpy states
-    trainer_state.json         {"step", "world_size", "extra"}
+    trainer_state.json         {"step", "world_size", "has_optimizer", "extra"} and WeightsFormat.state
     COMPLETE                   written last: {"step", "files": {relative path: size in bytes}}
+What stands for the weights is a WeightsFormat: the whole HF model by default; models.lora passes one that
+writes the adapter instead, and shares everything else (atomic write, marker, verification, optimizer, RNG).
 """
 from __future__ import annotations
 
@@ -21,7 +23,10 @@ import re
 import shutil
 import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -104,6 +109,54 @@ def _fsync_file(path: Path) -> None:
         os.fsync(handle.fileno())
 
 
+@dataclass(frozen=True)
+class WeightsFormat:
+    """What a checkpoint stores for the model, and how it is written, checked and loaded back.
+
+    write(directory, model, tokenizer): every rank calls it, into the hidden partial directory.
+    read(directory, model, state) -> (payload, error): rank 0 only, after the marker and file sizes are
+        verified (state: trainer_state.json); checks that the stored weights fit the model, loads nothing
+        into it, and returns an error instead of raising so that every rank can raise it together.
+    load(directory, model, payload): every rank; payload is read's on rank 0, None on the others.
+    noun: what the weights are called in messages; state: extra trainer_state.json fields, e.g. {"lora": True}.
+    """
+    write: Callable[[Path, torch.nn.Module, Any], None]
+    read: Callable[[Path, torch.nn.Module, dict], tuple[Any, Exception | None]]
+    load: Callable[[Path, torch.nn.Module, Any], None]
+    noun: str = "weights"
+    state: dict = field(default_factory=dict)
+
+
+def _write_full_model(directory: Path, model: torch.nn.Module, tokenizer) -> None:
+    weights = fsdp.gather_to_rank0(model)
+    if fsdp.rank() == 0:
+        _write_model(directory, model, weights, tokenizer)
+
+
+def _check_full_model(directory: Path, model: torch.nn.Module, state: dict) -> tuple[None, Exception | None]:
+    """Weight names and shapes against the model's; the tensors themselves are read only by the load."""
+    if state.get("lora"):
+        return None, ValueError(f"{directory} is a LoRA checkpoint (adapter only): resume it with model.lora on")
+    with safe_open(directory / WEIGHTS, framework="pt") as handle:
+        shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+    expected = fsdp.expected_shapes(model)
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected))
+    wrong = [f"{name} {shapes[name]} (model {expected[name]})" for name in expected if name in shapes and shapes[name] != expected[name]]
+    if missing or unexpected or wrong:
+        return None, ValueError(f"{directory / WEIGHTS} does not fit the model: missing {missing[:5]}, unexpected "
+                                f"{unexpected[:5]}, wrong shapes {wrong[:5]}")
+    return None, None
+
+
+def _load_full_model(directory: Path, model: torch.nn.Module, payload: None) -> None:
+    # Read here, not in read(): the weights are then not held while the optimizer state loads (through a copy).
+    fsdp.load_full_weights(model, load_file(directory / WEIGHTS) if fsdp.rank() == 0 else None)
+
+
+FULL_MODEL = WeightsFormat(write=_write_full_model, read=_check_full_model, load=_load_full_model)
+
+
 def save_checkpoint(
     directory: str | os.PathLike,
     model: torch.nn.Module,
@@ -112,11 +165,14 @@ def save_checkpoint(
     step: int,
     rng: torch.Generator | None = None,
     extra: dict | None = None,
+    *,
+    weights: WeightsFormat = FULL_MODEL,
 ) -> Path:
     """Write a complete checkpoint to `directory` (e.g. runs/x/checkpoints/step_10); every rank must call it.
 
     rng: a generator of the trainer's own to save besides the global torch / CUDA / python / numpy RNGs.
     extra: JSON-serialisable trainer state (data position, scheduler state, ...), returned by load_checkpoint.
+    weights: what is written for the model (the whole HF model unless models.lora asks for its adapter).
     """
     final = Path(directory)
     partial = final.parent / f".{final.name}.partial"
@@ -126,10 +182,7 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash
         partial.mkdir(parents=True)
     fsdp.barrier()
-    weights = fsdp.gather_to_rank0(model)
-    if is_rank0:
-        _write_model(partial, model, weights, tokenizer)
-    del weights
+    weights.write(partial, model, tokenizer)
     if optimizer is not None:
         fsdp.save_optimizer_state(str(partial / "optimizer"), model, optimizer)
     _write_rng(partial, rng)
@@ -137,7 +190,7 @@ def save_checkpoint(
         time.sleep(float(os.environ[PAUSE_ENV]))
     fsdp.barrier()
     if is_rank0:
-        state = {"step": int(step), "world_size": fsdp.world_size(), "has_optimizer": optimizer is not None}
+        state = {"step": int(step), "world_size": fsdp.world_size(), "has_optimizer": optimizer is not None, **weights.state}
         (partial / STATE).write_text(json.dumps({**state, "extra": json.loads(extra_json)}, indent=1) + "\n")
         files = {str(path.relative_to(partial)): path.stat().st_size for path in sorted(partial.rglob("*")) if path.is_file()}
         for relative in files:
@@ -180,39 +233,32 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return max(steps)[1] if steps else None
 
 
-def _verify(directory: Path, model: torch.nn.Module, optimizer) -> Exception | None:
-    """Everything that can be checked before loading: marker, file sizes, weight names and shapes."""
+def _verify(directory: Path, model: torch.nn.Module, optimizer, weights: WeightsFormat) -> tuple[Any, Exception | None]:
+    """Everything that can be checked before loading: marker, file sizes, trainer state, then the weights
+    (weights.read). Returns (weights.read's payload, None) or (None, the first error found)."""
     if not directory.is_dir():
-        return FileNotFoundError(f"checkpoint directory {directory} does not exist")
+        return None, FileNotFoundError(f"checkpoint directory {directory} does not exist")
     if not is_complete(directory):
-        return ValueError(f"{directory} has no {MARKER} marker: it is a partial or interrupted save; resume from "
-                          "latest_checkpoint(run_dir) instead")
+        return None, ValueError(f"{directory} has no {MARKER} marker: it is a partial or interrupted save; resume "
+                                "from latest_checkpoint(run_dir) instead")
     try:
         listed = json.loads((directory / MARKER).read_text())["files"]
-    except (ValueError, KeyError) as error:
-        return ValueError(f"{directory / MARKER} is damaged ({error}); resume from another checkpoint")
+    except (ValueError, KeyError, OSError) as error:
+        return None, ValueError(f"{directory / MARKER} is damaged ({error}); resume from another checkpoint")
     for relative, size in listed.items():
         path = directory / relative
         if not path.is_file():
-            return FileNotFoundError(f"checkpoint file {path} is missing (listed in {directory / MARKER})")
+            return None, FileNotFoundError(f"checkpoint file {path} is missing (listed in {directory / MARKER})")
         if path.stat().st_size != size:
-            return ValueError(f"checkpoint file {path} has {path.stat().st_size} bytes, {size} were written: it is damaged")
+            return None, ValueError(f"checkpoint file {path} has {path.stat().st_size} bytes, {size} were written: it is damaged")
     try:
         state = json.loads((directory / STATE).read_text())
-    except ValueError as error:
-        return ValueError(f"{directory / STATE} is damaged ({error})")
-    if optimizer is not None and not state.get("has_optimizer", False):
-        return ValueError(f"{directory} was saved without optimizer state; pass optimizer=None to load only the weights")
-    with safe_open(directory / WEIGHTS, framework="pt") as handle:
-        shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
-    expected = fsdp.expected_shapes(model)
-    missing = sorted(set(expected) - set(shapes))
-    unexpected = sorted(set(shapes) - set(expected))
-    wrong = [f"{name} {shapes[name]} (model {expected[name]})" for name in expected if name in shapes and shapes[name] != expected[name]]
-    if missing or unexpected or wrong:
-        return ValueError(f"{directory / WEIGHTS} does not fit the model: missing {missing[:5]}, unexpected "
-                          f"{unexpected[:5]}, wrong shapes {wrong[:5]}")
-    return None
+    except (ValueError, OSError) as error:
+        return None, ValueError(f"{directory / STATE} is damaged ({error})")
+    payload, error = weights.read(directory, model, state)
+    if error is None and optimizer is not None and not state.get("has_optimizer", False):
+        error = ValueError(f"{directory} was saved without optimizer state; pass optimizer=None to load only the {weights.noun}")
+    return (None, error) if error else (payload, None)
 
 
 def load_checkpoint(
@@ -221,22 +267,24 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     rng: torch.Generator | None = None,
+    weights: WeightsFormat = FULL_MODEL,
 ) -> tuple[int, dict]:
     """Restore model weights, optimizer state and RNG states from `directory`; return (step, extra).
 
     Every rank must call it. The whole checkpoint is verified (marker, file sizes, weight names and shapes)
     before anything is loaded, and the optimizer is read into a copy first, so a damaged checkpoint raises
-    without leaving the model or optimizer half-loaded.
+    without leaving the model or optimizer half-loaded. weights: as given to save_checkpoint.
     """
     directory = Path(directory)
-    fsdp.raise_on_all_ranks(_verify(directory, model, optimizer) if fsdp.rank() == 0 else None)
+    payload, error = _verify(directory, model, optimizer, weights) if fsdp.rank() == 0 else (None, None)
+    fsdp.raise_on_all_ranks(error)
     state = json.loads((directory / STATE).read_text())
     if optimizer is not None:
         fsdp.load_optimizer_state(str(directory / "optimizer"), model, optimizer)
-    fsdp.load_full_weights(model, load_file(directory / WEIGHTS) if fsdp.rank() == 0 else None)
+    weights.load(directory, model, payload)
     if state["world_size"] == fsdp.world_size():
         _restore_rng(directory, rng)
     else:
         warnings.warn(f"{directory} was saved by {state['world_size']} ranks and is resumed by {fsdp.world_size()}: "
-                      "weights and optimizer state are restored, random number generator states are not")
+                      f"{weights.noun} and optimizer state are restored, random number generator states are not")
     return int(state["step"]), state["extra"]

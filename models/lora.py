@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -285,99 +283,44 @@ def load_adapter(directory: str | os.PathLike, model: torch.nn.Module) -> None:
     _copy_adapter(model, state)
 
 
-def save_lora_checkpoint(
-    directory: str | os.PathLike,
-    model: torch.nn.Module,
-    tokenizer,
-    optimizer: torch.optim.Optimizer | None,
-    step: int,
-    rng: torch.Generator | None = None,
-    extra: dict | None = None,
-    *,
-    merged_export: bool = False,
-) -> Path:
+def _write_lora(directory: Path, model: torch.nn.Module, tokenizer, *, merged_export: bool) -> None:
+    save_adapter(directory, model)
+    if fsdp.rank() == 0 and tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    if merged_export:
+        save_merged(directory / MERGED_DIR, model, tokenizer)
+
+
+def _check_lora(directory: Path, model: torch.nn.Module, state: dict) -> tuple[dict[str, Tensor] | None, Exception | None]:
+    if not state.get("lora"):
+        return None, ValueError(f"{directory} is not a LoRA checkpoint (model.lora is set): resume it with LoRA off")
+    return _read_adapter(directory, model)
+
+
+def _lora_format(merged_export: bool = False) -> checkpoint.WeightsFormat:
+    """The adapter (peft format) at the top level of a checkpoint, the tokenizer beside it, [merged/]."""
+    return checkpoint.WeightsFormat(
+        write=lambda directory, model, tokenizer: _write_lora(directory, model, tokenizer, merged_export=merged_export),
+        read=_check_lora, load=lambda directory, model, adapter: _copy_adapter(model, adapter),
+        noun="adapter", state={"lora": True})
+
+
+def save_lora_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, tokenizer,
+                         optimizer: torch.optim.Optimizer | None, step: int, rng: torch.Generator | None = None,
+                         extra: dict | None = None, *, merged_export: bool = False) -> Path:
     """models.checkpoint.save_checkpoint for a LoRA model: the same atomic layout and resume state, but the
     adapter (peft format, at the top level: `PeftModel.from_pretrained(base, directory)` loads it) instead
     of the whole model, and with merged_export the merged HF model in `merged/`. Every rank must call it.
     Layout: adapter_config.json, adapter_model.safetensors, tokenizer files, [merged/], optimizer/, rng/,
-    trainer_state.json, COMPLETE (written last)."""
-    final = Path(directory)
-    partial = final.parent / f".{final.name}.partial"
-    extra_json = json.dumps(extra if extra is not None else {})  # fail before writing if not serialisable
-    is_rank0 = fsdp.rank() == 0
-    if is_rank0:
-        shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash
-        partial.mkdir(parents=True)
-    fsdp.barrier()
-    save_adapter(partial, model)
-    if is_rank0 and tokenizer is not None:
-        tokenizer.save_pretrained(partial)
-    if merged_export:
-        save_merged(partial / MERGED_DIR, model, tokenizer)
-    if optimizer is not None:
-        fsdp.save_optimizer_state(str(partial / "optimizer"), model, optimizer)
-    checkpoint._write_rng(partial, rng)
-    fsdp.barrier()
-    if is_rank0:
-        state = {"step": int(step), "world_size": fsdp.world_size(), "has_optimizer": optimizer is not None, "lora": True}
-        (partial / checkpoint.STATE).write_text(json.dumps({**state, "extra": json.loads(extra_json)}, indent=1) + "\n")
-        files = {str(path.relative_to(partial)): path.stat().st_size for path in sorted(partial.rglob("*")) if path.is_file()}
-        for relative in files:
-            checkpoint._fsync_file(partial / relative)
-        (partial / checkpoint.MARKER).write_text(json.dumps({"step": int(step), "files": files}, indent=1) + "\n")
-        checkpoint._fsync_file(partial / checkpoint.MARKER)
-        checkpoint._replace_directory(partial, final)
-    fsdp.barrier()
-    return final
+    trainer_state.json (with "lora": true), COMPLETE (written last)."""
+    return checkpoint.save_checkpoint(directory, model, tokenizer, optimizer, step, rng, extra,
+                                      weights=_lora_format(merged_export))
 
 
-def _verify(directory: Path, optimizer) -> Exception | None:
-    """Marker, file sizes and trainer state: what can be checked before the adapter is read."""
-    if not directory.is_dir():
-        return FileNotFoundError(f"checkpoint directory {directory} does not exist")
-    if not checkpoint.is_complete(directory):
-        return ValueError(f"{directory} has no {checkpoint.MARKER} marker: it is a partial or interrupted save; "
-                          "resume from latest_checkpoint(run_dir) instead")
-    try:
-        listed = json.loads((directory / checkpoint.MARKER).read_text())["files"]
-        state = json.loads((directory / checkpoint.STATE).read_text())
-    except (ValueError, KeyError, OSError) as error:
-        return ValueError(f"{directory} has a damaged {checkpoint.MARKER} or {checkpoint.STATE} ({error})")
-    for relative, size in listed.items():
-        path = directory / relative
-        if not path.is_file() or path.stat().st_size != size:
-            return ValueError(f"checkpoint file {path} is missing or has the wrong size ({size} bytes were written)")
-    if not state.get("lora"):
-        return ValueError(f"{directory} is not a LoRA checkpoint (model.lora is set): resume it with LoRA off")
-    if optimizer is not None and not state.get("has_optimizer", False):
-        return ValueError(f"{directory} was saved without optimizer state; pass optimizer=None to load only the adapter")
-    return None
-
-
-def load_lora_checkpoint(
-    directory: str | os.PathLike,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    *,
-    rng: torch.Generator | None = None,
-) -> tuple[int, dict]:
+def load_lora_checkpoint(directory: str | os.PathLike, model: torch.nn.Module,
+                         optimizer: torch.optim.Optimizer | None = None, *,
+                         rng: torch.Generator | None = None) -> tuple[int, dict]:
     """Restore what save_lora_checkpoint wrote into a model prepared exactly as for training (the same base
     weights, apply_lora with the same settings, sharded or not) and its optimizer; return (step, extra).
     Every rank must call it. Everything is checked before anything is loaded."""
-    directory = Path(directory)
-    adapter, error = None, None
-    if fsdp.rank() == 0:
-        error = _verify(directory, optimizer)
-        if error is None:
-            adapter, error = _read_adapter(directory, model)
-    fsdp.raise_on_all_ranks(error)
-    state = json.loads((directory / checkpoint.STATE).read_text())
-    if optimizer is not None:  # reads into a copy first: raises before the optimizer is touched
-        fsdp.load_optimizer_state(str(directory / "optimizer"), model, optimizer)
-    _copy_adapter(model, adapter)
-    if state["world_size"] == fsdp.world_size():
-        checkpoint._restore_rng(directory, rng)
-    else:
-        warnings.warn(f"{directory} was saved by {state['world_size']} ranks and is resumed by {fsdp.world_size()}: "
-                      "adapter and optimizer state are restored, random number generator states are not")
-    return int(state["step"]), state["extra"]
+    return checkpoint.load_checkpoint(directory, model, optimizer, rng=rng, weights=_lora_format())

@@ -10,7 +10,7 @@ import torch
 
 from models import fsdp, load_tokenizer
 from models.batching import pad_batch
-from models.checkpoint import latest_checkpoint
+from models.checkpoint import latest_checkpoint, load_checkpoint
 from models.logprobs import completion_logprobs
 from models.lora import (
     apply_lora, disabled_adapters, is_lora, load_adapter, load_lora_checkpoint, merged_state_dict, save_adapter,
@@ -261,6 +261,25 @@ def test_lora_checkpoint_resumes_exactly(tmp_path, tokenizer):
         (directory / "trainer_state.json").write_text(json.dumps({"step": 2, "world_size": 1, "extra": {}}))
         _fix_marker(directory)
         load_lora_checkpoint(directory, model, optimizer)
+
+
+
+def test_lora_checkpoint_is_verified_before_loading(tmp_path):
+    saved_model = lora_model("qwen3", tie=False)
+    directory = save_lora_checkpoint(tmp_path / "step_1", saved_model, None, None, 1)
+    model = apply_lora(base_model("qwen3", tie=False), rank=RANK, alpha=ALPHA, seed=5)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(ValueError, match="without optimizer state; pass optimizer=None to load only the adapter"):
+        load_lora_checkpoint(directory, model, optimizer)
+    with pytest.raises(ValueError, match="is a LoRA checkpoint"):  # the whole-model loader refuses an adapter
+        load_checkpoint(directory, base_model("qwen3", tie=False))
+    path = directory / "adapter_model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ValueError, match="adapter_model.safetensors has .* bytes.*damaged"):
+        load_lora_checkpoint(directory, model)
+    assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
+    assert not optimizer.state
 
 
 def _fix_marker(directory):
