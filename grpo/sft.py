@@ -59,7 +59,9 @@ def train_sft(cfg, dist, parts) -> dict:
                    "time_step": elapsed}
         log.metrics(step + 1, metrics, postfix_keys=("loss",))
         parts.completed_steps = step + 1
+        if parts.stop_requested():  # Ctrl-C: stop at a step boundary, where the checkpoint is consistent
+            break
         if tcfg.save_every and (step + 1) % tcfg.save_every == 0 and step + 1 < tcfg.steps:
             parts.save(step + 1)
-    parts.save(tcfg.steps)
+    parts.save(parts.completed_steps)
     return metrics

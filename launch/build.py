@@ -43,7 +43,8 @@ class Parts:
     log: RunLog
     save: Callable[[int], None]
     loss_scale_hook: Callable[[int], float]
-    completed_steps: int = 0  # the loops advance it; Ctrl-C saves here
+    completed_steps: int = 0  # the loops advance it; the final checkpoint is written here
+    stop_requested: Callable[[], bool] = lambda: False  # the loops ask once per step (launch.train: Ctrl-C)
     reference_from_adapters: bool = False  # LoRA + KL: the reference is the policy with adapters disabled
 
 

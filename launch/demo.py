@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -51,10 +52,16 @@ def main(argv=None) -> int:
 
     sft_cfg = load_config(CONFIGS / "demo_sft.yaml", common + [f"trainer.run_name={out.name}/sft"])
     sft = run(sft_cfg, dist)
+    if "interrupted" in sft:
+        print(f"interrupted: SFT checkpoint under {sft['run_dir']}/checkpoints", file=sys.stderr)
+        return 130
     rl_cfg = load_config(CONFIGS / "demo.yaml", common + [
         f"trainer.run_name={out.name}/grpo", f"init_from={out / 'sft' / 'checkpoints' / f'step_{sft_cfg.trainer.steps}'}",
         "trainer.eval_before=false"])
     rl = run(rl_cfg, dist)
+    if "interrupted" in rl:
+        print(f"interrupted: GRPO checkpoint under {rl['run_dir']}/checkpoints", file=sys.stderr)
+        return 130
     minutes = (time.perf_counter() - started) / 60
 
     results = [("base model", sft["before"]), (f"after SFT ({sft_cfg.trainer.steps} steps)", sft["after"]),

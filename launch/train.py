@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
+import time
+from contextlib import contextmanager
 
 import yaml
 
@@ -27,8 +31,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@contextmanager
+def interrupt_requests(log):
+    """Ctrl-C (SIGINT) asks the loop to stop at the end of the current step; yields `requested() -> bool`.
+
+    The step is finished rather than cut, so the checkpoint then written is one an uninterrupted run would
+    have written. A second SIGINT within 2 s counts as the same request (under torchrun each rank gets the
+    terminal's and then torchrun's copy, and torchrun sends SIGKILL 30 s later); a later one aborts at once,
+    leaving the last periodic checkpoint.
+    """
+    first: list[float] = []
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield lambda: False
+        return
+
+    def handler(signum, frame):
+        if first and time.monotonic() - first[0] > 2.0:
+            raise KeyboardInterrupt
+        if not first:
+            first.append(time.monotonic())
+            log.warn("interrupt: finishing this step, then writing a checkpoint (Ctrl-C again to abort)")
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield lambda: bool(first)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run(cfg, dist, *, resume: bool = False) -> dict:
     """Build the parts, evaluate held-out rows before, train, evaluate after. Returns a summary."""
+    import torch
+
     from grpo.evaluate import evaluate
     from grpo.sft import train_sft
     from grpo.trainer import train_rl
@@ -48,14 +82,16 @@ def run(cfg, dist, *, resume: bool = False) -> dict:
     summary = {"run_dir": str(parts.run_dir), "before": held_out() if cfg.trainer.eval_before else {}}
     loop = train_sft if cfg.stage == "sft" else train_rl
     try:
-        summary["final"] = loop(cfg, dist, parts)
-    except KeyboardInterrupt:
-        parts.log.warn(f"interrupted: writing a checkpoint at step {parts.completed_steps} and exiting")
-        parts.save(parts.completed_steps)
-        summary["interrupted"] = parts.completed_steps
-        return summary
+        with interrupt_requests(parts.log) as requested:
+            # Every rank must stop after the same step: the request is reduced over ranks once per step.
+            parts.stop_requested = lambda: bool(dist.all_reduce_max(
+                torch.tensor(float(requested()), device=dist.device)) > 0)
+            summary["final"] = loop(cfg, dist, parts)
     finally:
         parts.log.close()
+    if parts.completed_steps < cfg.trainer.steps:
+        summary["interrupted"] = parts.completed_steps
+        return summary
     summary["after"] = held_out()
     if dist.is_main:
         (parts.run_dir / "eval.json").write_text(json.dumps({k: summary[k] for k in ("before", "after")}, indent=1))

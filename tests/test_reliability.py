@@ -1,5 +1,5 @@
-"""Failures: kill -9 during a step and during a checkpoint save (one process and 2-rank torchrun), then resume
-to the same metrics as an uninterrupted run; flat rewards; injected non-finite losses."""
+"""Failures: kill -9 during a step and during a checkpoint save (one process and 2-rank torchrun), and Ctrl-C,
+then resume to the same metrics as an uninterrupted run; flat rewards; injected non-finite losses."""
 import json
 import os
 import signal
@@ -100,6 +100,31 @@ def test_kill_during_checkpoint_save_keeps_previous(tmp_path, tiny_model_dir, re
     _run(_command(tmp_path, tiny_model_dir, "killed", extra=["--resume"]))
     assert _stable(_metrics(run_dir)) == _stable(reference_runs[1])
     assert latest_checkpoint(run_dir / "checkpoints") == run_dir / "checkpoints" / "step_4"
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_ctrl_c_finishes_the_step_checkpoints_and_resumes_exactly(tmp_path, tiny_model_dir, reference_runs, ranks):
+    from models.checkpoint import latest_checkpoint
+    run_dir = tmp_path / "interrupted"
+    command = _command(tmp_path, tiny_model_dir, "interrupted", ranks=ranks, extra=["trainer.save_every=0"])
+    # SIGINT to the whole process group, as a terminal's Ctrl-C sends it (torchrun then forwards its own copy).
+    process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    deadline = time.time() + 300
+    while not ((run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().strip()):
+        assert process.poll() is None and time.time() < deadline, "the run ended before its first step"
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGINT)
+    _, err = process.communicate(timeout=300)
+    steps_done = len(_metrics(run_dir))
+    assert "interrupt: finishing this step" in err and "continue with --resume" in err, err[-3000:]
+    if ranks == 1:  # torchrun itself ends with its own SignalException traceback
+        assert process.returncode == 130 and "Traceback" not in err, err[-3000:]
+    # The interrupted step was finished, not cut: the one checkpoint is at the last logged step.
+    assert 1 <= steps_done < 4
+    assert latest_checkpoint(run_dir / "checkpoints") == run_dir / "checkpoints" / f"step_{steps_done}"
+    _run(_command(tmp_path, tiny_model_dir, "interrupted", ranks=ranks, extra=["--resume"]))
+    assert _stable(_metrics(run_dir)) == _stable(reference_runs[ranks])
 
 
 def _in_process(tmp_path, model_dir, run_name, steps, *extra):
