@@ -30,6 +30,11 @@ MERGED_DIR = "merged"
 _PEFT_PREFIX = "base_model.model."  # how PeftModel.save_pretrained names adapter tensors
 
 
+def _peft_name(name: str) -> str:
+    """The peft file's name for one of our adapter parameters (no adapter-name level, peft's prefix)."""
+    return _PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")
+
+
 def apply_lora(
     model: torch.nn.Module,
     *,
@@ -185,7 +190,7 @@ def adapter_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     for name, tensor in fsdp.named_weights(model):
         if _is_adapter_name(name):
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            state[_PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")] = full.detach().cpu().contiguous()
+            state[_peft_name(name)] = full.detach().cpu().contiguous()
     if not state:
         raise ValueError("the model carries no LoRA adapter (apply_lora was not called)")
     return state
@@ -226,7 +231,7 @@ def save_merged(directory: str | os.PathLike, model: torch.nn.Module, tokenizer)
 
 def _check_adapter(directory: Path, model: torch.nn.Module, state: dict[str, Tensor]) -> ValueError | None:
     """Names and shapes of the saved adapter against the model's; rank and alpha against its config."""
-    expected = {_PEFT_PREFIX + name.replace(f".{ADAPTER}.", "."): tuple(tensor.shape)
+    expected = {_peft_name(name): tuple(tensor.shape)
                 for name, tensor in fsdp.named_weights(model) if _is_adapter_name(name)}
     given = {name: tuple(tensor.shape) for name, tensor in state.items()}
     if expected != given:
@@ -261,7 +266,7 @@ def _copy_adapter(model: torch.nn.Module, state: dict[str, Tensor] | None) -> No
     if fsdp.world_size() == 1:  # a plain copy of the adapter tensors, nothing gathered
         for name, tensor in fsdp.named_weights(model):
             if _is_adapter_name(name):
-                tensor.copy_(state[_PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")])
+                tensor.copy_(state[_peft_name(name)])
         return
     # models.fsdp.load_full_weights scatters complete state dicts only, so rank 0 completes the adapter with
     # the current base weights: under FSDP that gathers the model to rank 0 once, as a checkpoint save does.
@@ -269,7 +274,7 @@ def _copy_adapter(model: torch.nn.Module, state: dict[str, Tensor] | None) -> No
     if fsdp.rank() == 0:
         for name in full:
             if _is_adapter_name(name):
-                full[name] = state[_PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")]
+                full[name] = state[_peft_name(name)]
     fsdp.load_full_weights(model, full if fsdp.rank() == 0 else None)
 
 
