@@ -100,7 +100,7 @@ class HFEngine:
             self.model.train(was_training)
 
     def _sample(self, prompts, n, max_new_tokens, temperature, top_p, top_k, stop_strings, seed) -> list[Completion]:
-        """The decoding loop. Each distinct prompt is prefilled once and its KV cache copied to its n rows.
+        """The decoding loop. Each prompt is prefilled once and its KV cache copied to its n rows.
         Rows that finish leave the batch: `active` maps batch rows to `rows` indices."""
         device = self.model.get_input_embeddings().weight.device
         generator = torch.Generator(device=device)
