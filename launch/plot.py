@@ -16,6 +16,7 @@ import math
 import sys
 from pathlib import Path
 
+from data.jsonio import iter_jsonl
 from launch.eval import exit_2_on_bad_input, load_evaluation
 
 # (metrics.jsonl key, panel title), drawn when any run logged the key. SFT runs log only "loss".
@@ -47,16 +48,13 @@ def _number(value) -> float:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The step records of a metrics.jsonl; a line that is not a JSON object with a "step" names file:line."""
+    """The step records of a metrics.jsonl (data.jsonio.iter_jsonl: bad lines name file:line); a record
+    without an integer "step" names its line too. An empty file (a run stopped before its first step) has none."""
+    if path.stat().st_size == 0:
+        return []
     records = []
-    for line_number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{line_number}: invalid JSON ({error.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+    for line_number, record in iter_jsonl(path):
+        if not isinstance(record.get("step"), int):
             raise ValueError(f"{path}:{line_number}: expected an object with an integer 'step'")
         records.append(record)
     return records
