@@ -55,6 +55,13 @@ def _last_boxed(text: str) -> str | None:
     return None
 
 
+def _last_match(pattern: re.Pattern, text: str) -> re.Match | None:
+    last = None
+    for last in pattern.finditer(text):
+        pass
+    return last
+
+
 def parse_judgment(text: str) -> str | None:
     """"A", "B", "C" or None, tried in order: the last `\\boxed{X}` (`\\text{A}`, `(A)`, `A: ...` accepted);
     else the letter right after the last "Final Judgment:"; else the last xVerify `[Correct]`/`[Incorrect]`.
@@ -69,16 +76,12 @@ def parse_judgment(text: str) -> str | None:
         letter = _BOXED_LETTER.match(cleaned)
         if letter is not None:
             return letter.group(1)
-    last_marker = None
-    for last_marker in _FINAL_JUDGMENT.finditer(text):
-        pass
+    last_marker = _last_match(_FINAL_JUDGMENT, text)
     if last_marker is not None:
         bare = _BARE_LETTER.match(text, last_marker.end())
         if bare is not None:
             return bare.group(1)
-    last_tag = None
-    for last_tag in _XVERIFY.finditer(text):
-        pass
+    last_tag = _last_match(_XVERIFY, text)
     if last_tag is not None:
         return "A" if last_tag.group(1).lower() == "correct" else "B"
     return None
