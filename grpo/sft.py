@@ -58,10 +58,7 @@ def train_sft(cfg, dist, parts) -> dict:
                    "tokens": float(num_tokens), "tokens_per_s": float(num_tokens) / dist.world_size / elapsed,
                    "time_step": elapsed}
         log.metrics(step + 1, metrics, postfix_keys=("loss",))
-        parts.completed_steps = step + 1
-        if parts.stop_requested():  # Ctrl-C: stop at a step boundary, where the checkpoint is consistent
+        if parts.finish_step(step + 1, tcfg):  # Ctrl-C: stop here, at a step boundary (a consistent checkpoint)
             break
-        if tcfg.save_every and (step + 1) % tcfg.save_every == 0 and step + 1 < tcfg.steps:
-            parts.save(step + 1)
     parts.save(parts.completed_steps)
     return metrics

@@ -176,10 +176,7 @@ def train_rl(cfg, dist, parts) -> dict:
         log.samples(step + 1, [{"prompt": row["prompt"][-1]["content"], "completion": c.text, "reward": float(r),
                                 "correct": float(ok), "finish_reason": c.finish_reason}
                                for c, r, ok, row in list(zip(completions, rewards, groups.correct, groups.rows))[:group_size]])
-        parts.completed_steps = step + 1
-        if parts.stop_requested():  # Ctrl-C: stop at a step boundary, where the checkpoint is consistent
+        if parts.finish_step(step + 1, tcfg):  # Ctrl-C: stop here, at a step boundary (a consistent checkpoint)
             break
-        if tcfg.save_every and (step + 1) % tcfg.save_every == 0 and step + 1 < tcfg.steps:
-            parts.save(step + 1)
     parts.save(parts.completed_steps)
     return metrics

@@ -47,6 +47,17 @@ class Parts:
     stop_requested: Callable[[], bool] = lambda: False  # the loops ask once per step (launch.train: Ctrl-C)
     reference_from_adapters: bool = False  # LoRA + KL: the reference is the policy with adapters disabled
 
+    def finish_step(self, done: int, trainer) -> bool:
+        """Called by both loops after step `done` (1-based; trainer: cfg.trainer): records it, and returns True
+        when a stop was requested (the loop then breaks and writes its final checkpoint); otherwise writes the
+        periodic checkpoint when one is due (the last step's is the loop's final one)."""
+        self.completed_steps = done
+        if self.stop_requested():
+            return True
+        if trainer.save_every and done % trainer.save_every == 0 and done < trainer.steps:
+            self.save(done)
+        return False
+
 
 def _read_rows(files: list[str], key: str) -> list[dict]:
     from data.rows import read_rows
