@@ -16,15 +16,19 @@ from collections.abc import Iterable
 
 from rewards.factqa import judge_answer, normalize_answer, parse_aliases
 from rewards.parsing import extract_block, load_ground_truth, normalize_text, think_answer_format
-from rewards.scifact import (ANSWER_KEYS, EVIDENCE_KEYS, NOT_ENOUGH_INFO, REFUTES, SUPPORTS, evidence_items,
-                             normalize_label)
+from rewards.scifact import (ANSWER_KEYS, EVIDENCE_CAP_BELOW, EVIDENCE_KEYS, NOT_ENOUGH_INFO, REFUTES, SUPPORTS,
+                             evidence_items, evidence_score, normalize_label, parse_ground_truth)
 from rewards.verifier import gold_judgment, parse_judgment
 
 SCIFACT, FACTQA, VERIFIER = "scifact_evidence", "factqa_corpus", "verifier"
 LABELS = (SUPPORTS, REFUTES, NOT_ENOUGH_INFO)
-# Relaxed mode: the first of these words anywhere in the text is the label (aliases as in the reward).
-_LABEL_WORD = re.compile(r"\b(?:not[\s_-]+enough[\s_-]+info(?:rmation)?|nei|supports?|supported|refutes?|refuted|"
-                         r"contradicts?)\b", re.IGNORECASE)
+# Prefix-constrained label: after optional reasoning closed by </think>, the reply must START with the label,
+# optionally behind an <answer> tag, markdown marks or "Answer:"/"Label:"/"Verdict:" (aliases as in the reward).
+_PREFIX_LABEL = re.compile(
+    r"(?:<answer>)?[\s*_#`\"'>]*(?:(?:final\s+)?(?:answer|label|verdict)[\s*_`]*[:：][\s*_`\"']*)?"
+    r"(not[\s_-]+enough[\s_-]+info(?:rmation)?|nei|supports?|supported|refutes?|refuted|contradicts?)(?![\w-])",
+    re.IGNORECASE)
+_PREFIX_CHARS = 200  # the label must come within the reply's first characters (bounds the regex's work)
 
 
 def _rate(numerator: float, denominator: float) -> float:
@@ -52,41 +56,30 @@ def scifact_gold(ground_truth: object) -> tuple[str, list[str]]:
     return label, evidence
 
 
-def relaxed_label(text: str) -> str | None:
-    """The first label word anywhere in the text (aliases and case accepted), or None. Deliberately crude,
-    for models that ignore the format: negation is not read ("not supported" counts as SUPPORTS).
+def prefix_label(text: str) -> str | None:
+    """The label the reply STARTS with, or None: the prefix-constrained diagnostic for models that do not
+    write the answer block. Reasoning up to the last `</think>` is skipped; then only an `<answer>` tag,
+    markdown marks and an "Answer:"/"Label:"/"Verdict:" lead-in may come before the label word. A model
+    that echoes the instruction ("Does the text support or refute...") gets no label, where reading the
+    first label word anywhere would credit it with SUPPORTS.
 
-    >>> relaxed_label("I think the text clearly refutes it, it does not support it"), relaxed_label("no idea")
-    ('REFUTES', None)
+    >>> prefix_label("**Answer:** Refuted."), prefix_label("<think>It may support it.</think>\\n\\nNEI")
+    ('REFUTES', 'NOT_ENOUGH_INFO')
+    >>> prefix_label("Does the text support or refute the claim?"), prefix_label("SUPPORTSX")
+    (None, None)
     """
-    match = _LABEL_WORD.search(text)
+    think_end = text.lower().rfind("</think>")
+    reply = text[think_end + len("</think>"):] if think_end >= 0 else text
+    match = _PREFIX_LABEL.match(reply.lstrip()[:_PREFIX_CHARS])
     if match is None:
         return None
+    word = match.group(1)
     # "not enough information" is not in the reward's alias table (strict mode rejects it); here it counts.
-    return NOT_ENOUGH_INFO if match.group(0).lower().startswith("not") else normalize_label(match.group(0))
+    return NOT_ENOUGH_INFO if word.lower().startswith("not") else normalize_label(word)
 
 
-def scifact_example(completion: str, ground_truth: object, *, relaxed: bool = False) -> dict:
-    """Per-example SciFact fields. Strict: the label is the `<answer>` block's content when it is one of
-    the three labels (after the reward's alias table), else None. Relaxed: that label when valid, else
-    `relaxed_label` of the whole text. Evidence is always the strict parse of the `<evidence>` block
-    (reward's evidence_items); an item matches a gold sentence when their normalize_text forms are equal,
-    each gold sentence matched at most once.
-
-    >>> gold = '{"answer": "SUPPORTS", "evidence": ["The sky is blue."]}'
-    >>> text = "<answer>\\nSUPPORTS\\n</answer>\\n<evidence>\\n[1] the sky is BLUE\\n</evidence>"
-    >>> fields = scifact_example(text, gold)
-    >>> fields["correct"], fields["format_ok"], fields["evidence_matched"], fields["evidence_predicted"]
-    (True, True, 1, 1)
-    """
-    gold_label, gold_evidence = scifact_gold(ground_truth)
-    answer = extract_block(completion, "answer")
-    evidence_block = extract_block(completion, "evidence")
-    block_label = normalize_label(answer.strip()) if answer is not None else None
-    label = block_label if block_label in LABELS else None
-    if relaxed and label is None:
-        label = relaxed_label(completion)
-    items = evidence_items(evidence_block)
+def _exact_matches(items: list[str], gold_evidence: list[str]) -> int:
+    """Predicted items equal to a gold sentence after normalize_text, each gold sentence matched at most once."""
     remaining: dict[str, int] = {}
     for sentence in gold_evidence:
         key = normalize_text(sentence)
@@ -97,34 +90,70 @@ def scifact_example(completion: str, ground_truth: object, *, relaxed: bool = Fa
         if remaining.get(key, 0) > 0:
             remaining[key] -= 1
             matched += 1
+    return matched
+
+
+def scifact_example(completion: str, ground_truth: object, *, relaxed: bool = False) -> dict:
+    """Per-example SciFact fields. The label (strict) is the `<answer>` block's content when it is one of the
+    three labels after the reward's alias table, else None; relaxed: that label when valid, else
+    prefix_label of the completion. prefix_label is also always recorded (the diagnostic column). Evidence is
+    the strict parse of the `<evidence>` block (the reward's evidence_items): evidence_f1 is the reward's own
+    evidence component (mean over predicted items of the best token F1 against a gold sentence, 0 when either
+    side is empty); evidence_matched counts exact matches (normalize_text equal, each gold sentence once).
+    unsupported: a SUPPORTS/REFUTES label whose evidence_f1 is below the reward's cap threshold (0.2), the
+    point below which the reward treats a decisive answer as ungrounded (no evidence at all included).
+
+    >>> gold = '{"answer": "SUPPORTS", "evidence": ["The sky is blue today."]}'
+    >>> text = "<answer>\\nSUPPORTS\\n</answer>\\n<evidence>\\n[1] the sky is BLUE\\n</evidence>"
+    >>> fields = scifact_example(text, gold)
+    >>> fields["correct"], fields["format_ok"], fields["evidence_matched"], round(fields["evidence_f1"], 4)
+    (True, True, 0, 0.8889)
+    """
+    gold_label, gold_evidence = scifact_gold(ground_truth)
+    answer = extract_block(completion, "answer")
+    evidence_block = extract_block(completion, "evidence")
+    block_label = normalize_label(answer.strip()) if answer is not None else None
+    label = block_label if block_label in LABELS else None
+    start_label = prefix_label(completion)
+    if relaxed and label is None:
+        label = start_label
+    items = evidence_items(evidence_block)
+    evidence_f1 = evidence_score(items, parse_ground_truth(ground_truth)[1])
     return {
         "predicted_label": label,
         "gold_label": gold_label,
         "correct": label == gold_label,
+        "prefix_label": start_label,
         "format_ok": evidence_block is not None and block_label in LABELS,
+        "evidence_f1": evidence_f1,
         "evidence_predicted": len(items),
         "evidence_gold": len(gold_evidence),
-        "evidence_matched": matched,
-        "unsupported": label in (SUPPORTS, REFUTES) and not items,
+        "evidence_matched": _exact_matches(items, gold_evidence),
+        "unsupported": label in (SUPPORTS, REFUTES) and evidence_f1 < EVIDENCE_CAP_BELOW,
     }
 
 
 def scifact_metrics(examples: list[dict]) -> dict:
-    """answer_accuracy; evidence_precision / evidence_recall / evidence_f1 micro-averaged over the data set
-    (matched, predicted and gold item counts summed over every example, NOT_ENOUGH_INFO ones included, so
-    evidence offered for an NEI claim lowers precision); format_rate (both blocks and a valid label);
-    unsupported_rate (SUPPORTS/REFUTES predictions with no evidence item, over SUPPORTS/REFUTES
-    predictions); nei_rate (NOT_ENOUGH_INFO predictions over all); no_label_rate (no label found)."""
+    """answer_accuracy; evidence_f1: the mean of the reward's evidence token F1 over examples with gold
+    evidence (an NOT_ENOUGH_INFO claim has none to match); evidence_exact_precision / _recall / _f1:
+    exact-match sentence counts summed over every example (NOT_ENOUGH_INFO ones included, so evidence offered
+    for an NEI claim lowers precision), a paraphrase scoring 0; prefix_label_accuracy: prefix_label equals the
+    gold label; format_rate (both blocks and a valid label); unsupported_rate: unsupported examples over
+    SUPPORTS/REFUTES predictions; nei_rate (NOT_ENOUGH_INFO predictions over all); no_label_rate."""
     count = len(examples)
+    with_gold = [example["evidence_f1"] for example in examples if example["evidence_gold"]]
     matched = sum(example["evidence_matched"] for example in examples)
     precision = _rate(matched, sum(example["evidence_predicted"] for example in examples))
     recall = _rate(matched, sum(example["evidence_gold"] for example in examples))
     decisive = [example for example in examples if example["predicted_label"] in (SUPPORTS, REFUTES)]
     return {
         "answer_accuracy": _rate(sum(example["correct"] for example in examples), count),
-        "evidence_precision": precision,
-        "evidence_recall": recall,
-        "evidence_f1": _rate(2 * precision * recall, precision + recall),
+        "evidence_f1": _rate(sum(with_gold), len(with_gold)),
+        "evidence_exact_precision": precision,
+        "evidence_exact_recall": recall,
+        "evidence_exact_f1": _rate(2 * precision * recall, precision + recall),
+        "prefix_label_accuracy": _rate(sum(example["prefix_label"] == example["gold_label"] for example in examples),
+                                       count),
         "format_rate": _rate(sum(example["format_ok"] for example in examples), count),
         "unsupported_rate": _rate(sum(example["unsupported"] for example in decisive), len(decisive)),
         "nei_rate": _rate(sum(example["predicted_label"] == NOT_ENOUGH_INFO for example in examples), count),

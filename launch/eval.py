@@ -259,7 +259,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help=f"prompts per generate call (default {DEFAULT_BATCH_SIZE}; vllm: all at once)")
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N rows of each file")
     parser.add_argument("--relaxed", action="store_true",
-                        help="label-only parsing for models that ignore the format (SciFact: first label word)")
+                        help="label-only parsing for models that ignore the format (SciFact: the label the reply starts with)")
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu (hf engine)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,

@@ -17,8 +17,9 @@ from rollout.engine import Completion
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = {"count", "truncation_rate", "completion_tokens_mean"}
 EXPECTED_KEYS = {
-    "scifact_evidence": COMMON | {"reward_mean", "answer_accuracy", "evidence_precision", "evidence_recall",
-                                  "evidence_f1", "format_rate", "unsupported_rate", "nei_rate", "no_label_rate"},
+    "scifact_evidence": COMMON | {"reward_mean", "answer_accuracy", "evidence_f1", "evidence_exact_precision",
+                                  "evidence_exact_recall", "evidence_exact_f1", "prefix_label_accuracy",
+                                  "format_rate", "unsupported_rate", "nei_rate", "no_label_rate"},
     # no corpus index in tests: the factqa reward (and so reward_mean) is left out, not scored as 0
     "factqa_corpus": COMMON | {"correct_rate", "incorrect_rate", "not_attempted_rate", "precision", "recall", "f1",
                                "format_rate"},
@@ -88,7 +89,7 @@ def test_eval_cli_on_tiny_model_and_compare(tmp_path, tiny_model_dir, data_files
     table = table_path.read_text()
     assert table == capsys.readouterr().out.rstrip("\n") + "\n"
     scifact_table = table.split("### factqa_corpus")[0].strip().splitlines()
-    assert scifact_table[2].startswith("| model | count | answer_accuracy | evidence_precision |")
+    assert scifact_table[2].startswith("| model | count | answer_accuracy | evidence_f1 | evidence_exact_precision |")
     assert scifact_table[4].startswith("| eval_tiny | 6 |")
     assert scifact_table[5].startswith("| eval_run (relaxed) | 2 |")
     assert "| eval_run" not in table.split("### factqa_corpus")[1]  # the relaxed run did not see factqa rows
@@ -124,6 +125,7 @@ def test_gold_completions_get_full_marks(data_files):
                                                         max_new_tokens=64, batch_size=5)
     scifact = metrics["scifact_evidence"]
     assert scifact["answer_accuracy"] == scifact["evidence_f1"] == scifact["format_rate"] == 1.0
+    assert scifact["evidence_exact_f1"] == scifact["prefix_label_accuracy"] == 1.0
     assert scifact["reward_mean"] == pytest.approx(1.0) and scifact["unsupported_rate"] == 0.0
     assert scifact["nei_rate"] == pytest.approx(2 / 6)  # generate_rows balances the three labels
     assert metrics["factqa_corpus"]["correct_rate"] == metrics["factqa_corpus"]["f1"] == 1.0

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from data.metrics import (factqa_example, factqa_metrics, relaxed_label, scifact_example, scifact_metrics,
+from data.metrics import (factqa_example, factqa_metrics, prefix_label, scifact_example, scifact_metrics,
                           score_example, summarize, verifier_example, verifier_metrics)
 
 
@@ -38,30 +38,72 @@ def test_scifact_strict_metrics_by_hand():
     assert [e["predicted_label"] for e in examples] == ["SUPPORTS", "REFUTES", "NOT_ENOUGH_INFO", None, "SUPPORTS"]
     assert [(e["evidence_matched"], e["evidence_predicted"], e["evidence_gold"]) for e in examples] == [
         (1, 2, 2), (0, 0, 1), (0, 0, 0), (0, 0, 1), (1, 2, 1)]
+    # Token F1 (the reward's evidence component): case 1: item 1 equals A (1.0); item 2 "sentence c states a
+    # fact" shares 4 of 5 tokens with A or B -> 2*4/10 = 0.8; mean 0.9. Case 5: F twice, 1.0 each -> 1.0.
+    # Cases 2 and 4 list nothing -> 0; case 3 has no gold evidence and is left out of the mean.
+    assert [e["evidence_f1"] for e in examples] == pytest.approx([0.9, 0.0, 0.0, 0.0, 1.0], abs=1e-12)
     metrics = scifact_metrics(examples)
-    # correct: cases 1-3 of 5. Evidence summed: matched 2, predicted 4, gold 5 -> P 0.5, R 0.4,
-    # F1 = 2*0.5*0.4/0.9 = 4/9. Format: 1, 3, 5. Decisive (SUPPORTS/REFUTES): 1, 2, 5; unsupported: 2 -> 1/3.
+    # correct: cases 1-3 of 5. evidence_f1 = (0.9 + 0 + 0 + 1.0) / 4 = 0.475. Exact match summed: matched 2,
+    # predicted 4, gold 5 -> P 0.5, R 0.4, F1 = 2*0.5*0.4/0.9 = 4/9. Prefix labels: SUPPORTS, REFUTES, NEI, None,
+    # SUPPORTS -> right in cases 1-3. Format: 1, 3, 5. Decisive (SUPPORTS/REFUTES): 1, 2, 5; unsupported (token
+    # F1 < 0.2): case 2 only -> 1/3 (case 5's label is wrong but its evidence is grounded).
     assert metrics == pytest.approx({
-        "answer_accuracy": 0.6, "evidence_precision": 0.5, "evidence_recall": 0.4, "evidence_f1": 4 / 9,
+        "answer_accuracy": 0.6, "evidence_f1": 0.475, "evidence_exact_precision": 0.5,
+        "evidence_exact_recall": 0.4, "evidence_exact_f1": 4 / 9, "prefix_label_accuracy": 0.6,
         "format_rate": 0.6, "unsupported_rate": 1 / 3, "nei_rate": 0.2, "no_label_rate": 0.2}, abs=1e-12)
 
 
-def test_scifact_relaxed_reads_the_label_anywhere():
-    examples = [scifact_example(text, truth, relaxed=True) for text, truth in SCIFACT_CASES]
-    metrics = scifact_metrics(examples)
-    # Case 4 now reads SUPPORTS (right, no evidence): 4 of 5 right; decisive 1, 2, 4, 5 with 2 and 4 unsupported.
-    assert metrics["answer_accuracy"] == pytest.approx(0.8)
-    assert metrics["unsupported_rate"] == pytest.approx(0.5)
-    assert metrics["no_label_rate"] == 0.0
-    assert metrics["evidence_f1"] == pytest.approx(4 / 9)  # evidence is always the strict parse
-    assert metrics["format_rate"] == pytest.approx(0.6)
+def test_paraphrased_evidence_scores_its_token_f1():
+    gold_sentence = "Vitamin D lowers the risk of hip fractures in older adults."
+    paraphrase = "Vitamin D lowers the risk of hip fractures among older adults."
+    example = scifact_example(completion("SUPPORTS", [paraphrase]), gold("SUPPORTS", [gold_sentence]))
+    # 11 tokens each, 10 shared ("in" vs "among"): 2*10/22 = 10/11; an exact sentence match finds nothing.
+    assert example["evidence_f1"] == pytest.approx(10 / 11, abs=1e-12)
+    metrics = scifact_metrics([example])
+    assert metrics["evidence_f1"] == pytest.approx(10 / 11, abs=1e-12) and metrics["evidence_exact_f1"] == 0.0
 
 
-def test_relaxed_label_takes_the_first_label_word():
-    assert relaxed_label("It does not SUPPORT it; the text refutes the claim") == "SUPPORTS"
-    assert relaxed_label("There is not enough information here") == "NOT_ENOUGH_INFO"
-    assert relaxed_label("contradicts") == "REFUTES"
-    assert relaxed_label("supportive unsupported") is None  # whole words only
+def test_unsupported_means_decisive_label_with_evidence_f1_below_the_reward_cap():
+    truth = gold("REFUTES", ["alpha beta gamma delta epsilon"])
+    at_threshold = scifact_example(completion("REFUTES", ["alpha x y z w"]), truth)  # 2*1/10 = 0.2: grounded
+    below = scifact_example(completion("REFUTES", ["alpha x y z w v"]), truth)  # 2*1/11 = 0.18: unsupported
+    nei = scifact_example(completion("NOT_ENOUGH_INFO", []), truth)  # not decisive: outside the rate
+    assert at_threshold["evidence_f1"] == pytest.approx(0.2) and not at_threshold["unsupported"]
+    assert below["evidence_f1"] == pytest.approx(2 / 11) and below["unsupported"]
+    assert scifact_metrics([at_threshold, below, nei])["unsupported_rate"] == 0.5
+
+
+RELAXED_CASES = [
+    # a base model that answers in words: the label comes first
+    ("Refutes. The second sentence contradicts it.", gold("REFUTES", [D])),
+    # an echo of the instruction: the first label word anywhere would be SUPPORTS (right by accident)
+    ("Does the text support or refute the claim? Answer SUPPORTS, REFUTES or NOT_ENOUGH_INFO", gold("SUPPORTS", [E])),
+    # a thinking model: the reasoning before </think> is skipped, "Not enough information" counts
+    ("<think>It supports the claim, or not.</think>\nNot enough information.", gold("NOT_ENOUGH_INFO", [])),
+    # the answer block wins when it is there
+    (completion("SUPPORTS", [A]), gold("REFUTES", [A])),
+]
+
+
+def test_scifact_relaxed_uses_the_prefix_constrained_label():
+    relaxed = [scifact_example(text, truth, relaxed=True) for text, truth in RELAXED_CASES]
+    assert [e["predicted_label"] for e in relaxed] == ["REFUTES", None, "NOT_ENOUGH_INFO", "SUPPORTS"]
+    metrics = scifact_metrics(relaxed)
+    # right: 1 and 3 of 4. Decisive: 1 (no evidence: unsupported) and 4 (A listed, gold A: F1 1.0) -> 1/2.
+    assert metrics["answer_accuracy"] == 0.5 and metrics["prefix_label_accuracy"] == 0.5
+    assert metrics["unsupported_rate"] == 0.5 and metrics["no_label_rate"] == 0.25 and metrics["nei_rate"] == 0.25
+    strict = scifact_metrics([scifact_example(text, truth) for text, truth in RELAXED_CASES])
+    # strict reads only the answer block (case 4, wrong); the prefix diagnostic column is the same in both modes
+    assert strict["answer_accuracy"] == 0.0 and strict["no_label_rate"] == 0.75
+    assert strict["prefix_label_accuracy"] == 0.5
+
+
+def test_prefix_label_needs_the_label_first():
+    assert prefix_label("SUPPORTS") == "SUPPORTS" and prefix_label("  <answer>\nnei\n</answer>") == "NOT_ENOUGH_INFO"
+    assert prefix_label("Label: contradicts") == "REFUTES" and prefix_label("## Final answer: *Supported*") == "SUPPORTS"
+    assert prefix_label("It does not SUPPORT it") is None  # a label later in the reply does not count
+    assert prefix_label("supportive evidence") is None and prefix_label("NEI-like") is None  # whole words only
+    assert prefix_label("x" * 10**6 + " SUPPORTS") is None and prefix_label("") is None
 
 
 def test_scifact_strict_rejects_an_unknown_label_in_the_block():
