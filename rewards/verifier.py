@@ -37,8 +37,16 @@ def verifier_prompt(question: str, reference: str, candidate: str) -> str:
     return _PLACEHOLDER.sub(lambda match: values[match.group(1)], verifier_template())
 
 
-def _last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` with balanced braces (at most 200 characters), or None."""
+def last_boxed_span(text: str) -> tuple[int, int] | None:
+    """(start, end) of the content of the last `\\boxed{...}` with balanced braces (at most 200 characters),
+    so text[end] is its closing brace; None when there is no such box. data.distill cuts a teacher's
+    judgment line with it, so the boundary is the one the parser reads.
+
+    >>> text = "so \\\\boxed{\\\\text{A}} ."
+    >>> start, end = last_boxed_span(text)
+    >>> text[start:end], text[end + 1:]
+    ('\\\\text{A}', ' .')
+    """
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
@@ -50,9 +58,20 @@ def _last_boxed(text: str) -> str | None:
             depth += 1
         elif character == "}":
             if depth == 0:
-                return text[content_start:position]
+                return content_start, position
             depth -= 1
     return None
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (see last_boxed_span), or None."""
+    span = last_boxed_span(text)
+    return None if span is None else text[span[0]:span[1]]
+
+
+def last_marker(text: str) -> re.Match | None:
+    """The last "Final Judgment" marker (case-insensitive, "judgement" too), or None."""
+    return _last_match(_FINAL_JUDGMENT, text)
 
 
 def _last_match(pattern: re.Pattern, text: str) -> re.Match | None:
@@ -76,9 +95,9 @@ def parse_judgment(text: str) -> str | None:
         letter = _BOXED_LETTER.match(cleaned)
         if letter is not None:
             return letter.group(1)
-    last_marker = _last_match(_FINAL_JUDGMENT, text)
-    if last_marker is not None:
-        bare = _BARE_LETTER.match(text, last_marker.end())
+    marker = last_marker(text)
+    if marker is not None:
+        bare = _BARE_LETTER.match(text, marker.end())
         if bare is not None:
             return bare.group(1)
     last_tag = _last_match(_XVERIFY, text)

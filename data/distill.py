@@ -1,0 +1,211 @@
+"""Short chain-of-thought verifier SFT data from teacher samples: the pure part of rejection-sampling distillation.
+
+The command is `python -m launch.distill` (the issue asked for `data.distill`): sampling needs an engine
+and a model, and data/ imports neither ("sampling jobs live in launch", shared/architecture.json), so the
+generation loop lives in launch/distill.py and everything that decides what a sample is worth lives here,
+testable on scripted teacher outputs without a model.
+
+One teacher sample of a verifier row goes through these filters, in order; the first that fails names the
+sample's reason in the report (REASONS), and only "kept" samples become SFT rows:
+
+    truncated            the teacher hit its token limit (finish reason "length")
+    unfinished_thinking  a thinking teacher opened <think> and never closed it
+    no_judgment          nothing parses as a judgment (rewards.verifier.parse_judgment, the reward's own parser)
+    label_outside_set    a final \\boxed{...} holds something other than A, B or C
+    wrong_judgment       the judgment is not the gold letter (rejection sampling: B and C are distinct here)
+    unstructured         not "reasoning, then one `Final Judgment: \\boxed{X}` line at the end": several boxes
+                         or markers, text after the box, or a judgment given only as a bare letter or tag
+    empty_reasoning      nothing before the judgment line
+    overlong             the reasoning has more than max_reasoning_tokens tokens
+    duplicate            the same reasoning as a sample already kept for this row
+    surplus              the row already has per_example kept samples
+
+A thinking teacher (its text holds `</think>`) is judged on its concluding summary only, the text after the
+last `</think>`: the verifier paper keeps the summary and drops the long thinking, which adds length but no
+accuracy. The SFT target is the reasoning, a blank line and `Final Judgment: \\boxed{X}` (data.verifier's
+target line), written into a copy of data.verifier's row, so SFT and the verifier reward read one format.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from data.jsonio import atomic_write_text
+from data.rows import write_rows
+from data.verifier import verifier_target
+from rewards.verifier import JUDGMENTS, last_boxed_span, last_marker, parse_judgment
+
+REASONS = ("kept", "truncated", "unfinished_thinking", "no_judgment", "label_outside_set", "wrong_judgment",
+           "unstructured", "empty_reasoning", "overlong", "duplicate", "surplus")
+# Between "Final Judgment" and its box only a colon, spaces, markdown emphasis or a LaTeX `$` may stand; after
+# the box's closing brace only closing punctuation.
+_MARKER_TO_BOX = re.compile(r"[\s:：*_`$]*")
+_AFTER_BOX = re.compile(r"[\s.。!*_`$)\]]*")
+_REASONING_TRAIL = " \t\r\n*_#-:"
+
+
+def concluding_text(text: str) -> str | None:
+    """The text after the last `</think>`; the whole text when there is no thinking; None when a `<think>`
+    was opened and never closed (the summary was never written).
+
+    >>> concluding_text("<think>long thoughts</think>\\nShort summary."), concluding_text("<think>cut off")
+    ('\\nShort summary.', None)
+    """
+    lower = text.lower()
+    end = lower.rfind("</think>")
+    if end >= 0:
+        return text[end + len("</think>"):]
+    return None if "<think>" in lower else text
+
+
+def split_reasoning(summary: str) -> str | None:
+    """The reasoning before a well-formed final `Final Judgment: \\boxed{X}` line, or None when the summary
+    is unstructured (see the module docstring). The reasoning may be empty.
+
+    >>> split_reasoning("Both say 144.\\n\\n**Final Judgment:** \\\\boxed{A}.")
+    'Both say 144.'
+    >>> split_reasoning("Final Judgment: \\\\boxed{A}. Wait, Final Judgment: \\\\boxed{B}") is None
+    True
+    """
+    span = last_boxed_span(summary)
+    marker = last_marker(summary)
+    if span is None or marker is None or summary.count("\\boxed{") != 1:
+        return None
+    box_start = span[0] - len("\\boxed{")
+    if marker.end() > box_start or _MARKER_TO_BOX.fullmatch(summary, marker.end(), box_start) is None:
+        return None
+    if _AFTER_BOX.fullmatch(summary, span[1] + 1) is None:
+        return None
+    if last_marker(summary[:marker.start()]) is not None:  # the judgment was stated twice
+        return None
+    return summary[:marker.start()].rstrip(_REASONING_TRAIL).strip()
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one teacher sample is worth: its reason (one of REASONS) and, when kept, its reasoning and judgment."""
+
+    reason: str
+    reasoning: str | None = None
+    judgment: str | None = None
+
+
+def judge_sample(text: str, gold: str, *, finish_reason: str, max_reasoning_tokens: int,
+                 count_tokens: Callable[[str], int]) -> Verdict:
+    """Run one sample through the filters of the module docstring (gold: "A", "B" or "C").
+
+    count_tokens: the teacher tokenizer's token count of a text (the launch side passes it; data/ loads none).
+    """
+    if gold not in JUDGMENTS:
+        raise ValueError(f"gold judgment must be one of {JUDGMENTS}, got {gold!r}")
+    if finish_reason == "length":
+        return Verdict("truncated")
+    summary = concluding_text(text)
+    if summary is None:
+        return Verdict("unfinished_thinking")
+    judged = parse_judgment(summary)
+    if judged is None:
+        return Verdict("label_outside_set" if last_boxed_span(summary) is not None else "no_judgment")
+    if judged != gold:
+        return Verdict("wrong_judgment", judgment=judged)
+    reasoning = split_reasoning(summary)
+    if reasoning is None:
+        return Verdict("unstructured", judgment=judged)
+    if not reasoning:
+        return Verdict("empty_reasoning", judgment=judged)
+    if count_tokens(reasoning) > max_reasoning_tokens:
+        return Verdict("overlong", reasoning, judged)
+    return Verdict("kept", reasoning, judged)
+
+
+def sft_target(reasoning: str, judgment: str) -> str:
+    """The completion an SFT verifier imitates: the reasoning, a blank line, data.verifier's judgment line.
+
+    >>> sft_target("Both are 144.", "A")
+    'Both are 144.\\n\\nFinal Judgment: \\\\boxed{A}'
+    """
+    return f"{reasoning}\n\n{verifier_target(judgment)}"
+
+
+@dataclass
+class DistillReport:
+    """Counts per reason over every sample, and the kept rows per gold label; `add` one verdict at a time."""
+
+    samples_per_example: int
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
+    kept_by_label: dict[str, int] = field(default_factory=lambda: dict.fromkeys(JUDGMENTS, 0))
+    examples: int = 0
+    examples_with_kept: int = 0
+
+    def as_dict(self) -> dict:
+        total = sum(self.counts.values())
+        return {"examples": self.examples, "samples_per_example": self.samples_per_example, "samples": total,
+                "kept": self.counts["kept"], "examples_with_kept": self.examples_with_kept,
+                "by_reason": dict(self.counts), "kept_by_label": dict(self.kept_by_label)}
+
+    def format(self) -> str:
+        """Readable lines: totals, then each reason with its count and share of all samples."""
+        total = max(sum(self.counts.values()), 1)
+        lines = [f"{self.examples} examples x {self.samples_per_example} samples: {self.counts['kept']} kept "
+                 f"({self.examples_with_kept} examples with at least one); kept by gold label {self.kept_by_label}"]
+        lines += [f"  {reason:<20} {count:>7}  {count / total:6.1%}" for reason, count in self.counts.items()]
+        return "\n".join(lines)
+
+
+def distill_example(row: dict, samples: Sequence[tuple[str, str]], report: DistillReport, *, per_example: int,
+                    max_reasoning_tokens: int, count_tokens: Callable[[str], int], teacher: str) -> list[dict]:
+    """SFT rows from one verifier row (data.verifier's format) and its teacher samples [(text, finish_reason)];
+    every sample is counted in `report` under exactly one reason."""
+    gold = row["reward_model"]["ground_truth"]
+    kept: list[dict] = []
+    seen: set[str] = set()
+    for sample_index, (text, finish_reason) in enumerate(samples):
+        verdict = judge_sample(text, gold, finish_reason=finish_reason, max_reasoning_tokens=max_reasoning_tokens,
+                               count_tokens=count_tokens)
+        reason = verdict.reason
+        if reason == "kept" and verdict.reasoning in seen:
+            reason = "duplicate"
+        elif reason == "kept" and len(kept) >= per_example:
+            reason = "surplus"
+        report.counts[reason] += 1
+        if reason != "kept":
+            continue
+        seen.add(verdict.reasoning)
+        report.kept_by_label[gold] += 1
+        distilled = copy.deepcopy(row)
+        distilled["extra_info"].update(target=sft_target(verdict.reasoning, verdict.judgment), teacher=teacher,
+                                       teacher_sample=sample_index)
+        kept.append(distilled)
+    report.examples += 1
+    report.examples_with_kept += bool(kept)
+    return kept
+
+
+def report_path(out: str | Path) -> Path:
+    """Where the report of an SFT file goes: sft.jsonl -> sft.report.json."""
+    return Path(out).with_suffix(".report.json")
+
+
+def write_report(out: str | Path, report: DistillReport) -> Path:
+    """The report as JSON beside the SFT file (report_path(out)); returns its path."""
+    path = report_path(out)
+    atomic_write_text(path, json.dumps(report.as_dict(), indent=1) + "\n")
+    return path
+
+
+def write_distilled(rows: list[dict], out: str | Path, report: DistillReport) -> Path:
+    """Write the report beside `out` (always), then the SFT rows (JSONL or Parquet by suffix) and return the
+    report's path; when no sample was kept, nothing is written to `out` and ValueError says so."""
+    path = write_report(out, report)
+    if not rows:
+        raise ValueError(f"no teacher sample passed the filters, so {out} was not written (report: {path}):\n"
+                         f"{report.format()}")
+    for index, row in enumerate(rows):  # the SFT rows are numbered afresh; the verifier row's index stays
+        row["extra_info"]["source_index"] = row["extra_info"]["index"]
+        row["extra_info"]["index"] = index
+    write_rows(rows, Path(out))
+    return path
