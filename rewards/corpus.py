@@ -1,4 +1,5 @@
-"""A local corpus index on infini-gram's suffix array: build it from a jsonl corpus, query co-occurrences.
+"""A local corpus index on infini-gram's suffix array: build it from a jsonl corpus (rewards/index_build.py),
+query co-occurrences (here).
 
     python -m rewards.corpus build --input corpus.jsonl --out DIR      # one {"text": ...} object per line
     python -m rewards.corpus count --index DIR --head "Marie Curie" --tail "Nobel Prize"
@@ -14,155 +15,28 @@ panics with several jobs on a tiny corpus (one CPU below 16 MiB) and ends with e
 into RuntimeError); the engine sorts its files by substrings of the FULL path ("tokenized", "table",
 "offset", "metadata"), so a directory whose path contains one of them segfaults it (such a directory is
 built elsewhere and moved, and opened through a neutral symlink); the engine does not check its files, so
-they are checked here before it opens them. Tokens are 16-bit (0xFFFF separates documents): the
-builder's 32-bit mode allocates 2^32 eight-byte bins (32 GiB) whatever the corpus size, so a word-level
-index keeps the 65,533 most frequent words (rarer ones count as unknown) and an external tokenizer's ids
-must stay below 65,535.
+they are checked here before it opens them. Ids are stored in 16-bit tokens, one per id while they fit and
+two per id beyond (rewards/token_layout.py: infini-gram's 32-bit mode allocates 32 GiB), so every word of
+the corpus keeps its own id and counts exactly; only a corpus needing over a billion ids fails at build time.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import shutil
 import sys
 import tempfile
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from rewards.cooccurrence import Clause, CooccurrenceCounter, ExternalTokenizer, WordTokenizer
-
-META_FILE, VOCAB_FILE = "nanogrpo-index.json", "vocab.txt"
-FORMAT, VERSION = "nanogrpo-corpus-index", 1
-ENGINE_FILES = ("tokenized.0", "offset.0", "table.0")
-_ENGINE_NAME_PARTS = ("tokenized", "table", "offset", "metadata", "metaoff")
-_ONE_CPU_BELOW_BYTES = 16 * 2**20
-TOKEN_WIDTH, SEPARATOR, MAX_TOKEN_ID = 2, b"\xff\xff", 2**16 - 2
-
-
-def build_command(path: object) -> str:
-    return f"python -m rewards.corpus build --input corpus.jsonl --out {path}"
-
-
-def _engine_safe(path: Path) -> bool:
-    return not any(part in str(path.resolve()) for part in _ENGINE_NAME_PARTS)
-
-
-def read_texts(input_path: Path, text_field: str = "text") -> Iterator[str]:
-    """The `text_field` string of every non-blank line; ValueError naming the file and line otherwise."""
-    with open(input_path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{input_path}:{line_number}: not valid JSON ({error.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                raise ValueError(f"{input_path}:{line_number}: expected an object with a string field "
-                                 f"{text_field!r}")
-            yield record[text_field]
-
-
-def _run_builder(work_dir: Path, data_bytes: int, cpus: int | None) -> None:
-    """infini-gram's suffix-array builder on work_dir/tokenized.0 -> work_dir/table.0."""
-    from infini_gram import indexing  # imported here: only building needs it
-
-    if cpus is None:
-        cpus = 1 if data_bytes < _ONE_CPU_BELOW_BYTES else min(os.cpu_count() or 1, 8)
-    memory_gib = max(1, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**30 // 2)
-    arguments = argparse.Namespace(save_dir=str(work_dir), temp_dir=str(work_dir), cpus=cpus, mem=memory_gib,
-                                   shards=1, workers=1, worker_id=0, token_width=TOKEN_WIDTH)
-    working_directory, captured = os.getcwd(), io.StringIO()
-    try:
-        with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
-            indexing.build_sa(arguments)
-    except SystemExit:  # the builder reports a failed Rust step with exit(1)
-        raise RuntimeError(f"infini-gram's suffix-array builder failed in {work_dir}:\n"
-                           f"{captured.getvalue()[-2000:]}") from None
-    finally:
-        os.chdir(working_directory)
-    if not (work_dir / "table.0").exists():
-        raise RuntimeError(f"infini-gram's builder wrote no table.0 in {work_dir}:\n{captured.getvalue()[-2000:]}")
-
-
-def _write_tokens(input_path: Path, text_field: str, tokenizer: WordTokenizer | ExternalTokenizer,
-                  work_dir: Path) -> tuple[int, int]:
-    """infini-gram's v4 layout: tokenized.0 = per document the separator then its uint16 ids; offset.0 =
-    the uint64 byte offset of each document. Returns (documents, bytes of tokenized.0)."""
-    documents = data_bytes = 0
-    with open(work_dir / "tokenized.0", "wb") as data, open(work_dir / "offset.0", "wb") as offsets:
-        for text in read_texts(input_path, text_field):
-            ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
-            if len(ids) and (ids.min() < 0 or ids.max() > MAX_TOKEN_ID):
-                raise ValueError(f"{input_path}: document {documents} has token ids outside [0, {MAX_TOKEN_ID}] "
-                                 "(the index stores 16-bit tokens); use the word-level tokenizer")
-            offsets.write(np.uint64(data_bytes).tobytes())
-            payload = SEPARATOR + ids.astype(np.uint16).tobytes()
-            data.write(payload)
-            data_bytes += len(payload)
-            documents += 1
-    return documents, data_bytes
-
-
-def build_index(input_path: str | os.PathLike, out_dir: str | os.PathLike, *, text_field: str = "text",
-                encode_fn: Callable[[str], list[int]] | None = None, tokenizer_name: str = "external",
-                max_words: int = WordTokenizer.MAX_WORDS, cpus: int | None = None) -> Path:
-    """Build a corpus index from a jsonl file into out_dir (created; must be empty) and return its path.
-
-    encode_fn: None for the word-level tokenizer fitted on the corpus (its `max_words` most frequent
-    words); else any tokenizer's encode, whose ids must lie in [0, 65534].
-    """
-    input_path, out_dir = Path(input_path), Path(out_dir)
-    if not input_path.is_file():
-        raise FileNotFoundError(f"corpus file {input_path} does not exist")
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ValueError(f"index directory {out_dir} exists and is not empty; choose a new --out")
-    if encode_fn is None:
-        tokenizer: WordTokenizer | ExternalTokenizer = WordTokenizer.fit(read_texts(input_path, text_field), max_words)
-    else:
-        tokenizer = ExternalTokenizer(encode_fn, tokenizer_name)
-    created = not out_dir.exists()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    work_dir = out_dir if _engine_safe(out_dir) else Path(tempfile.mkdtemp(prefix="nanogrpo-index-build-"))
-    try:
-        documents, data_bytes = _write_tokens(input_path, text_field, tokenizer, work_dir)
-        if documents == 0:
-            raise ValueError(f"corpus file {input_path} holds no document")
-        _run_builder(work_dir, data_bytes, cpus)
-        tokens = data_bytes // TOKEN_WIDTH
-        pointer_bytes = (work_dir / "table.0").stat().st_size // tokens
-        if work_dir != out_dir:
-            for name in ENGINE_FILES:
-                shutil.move(str(work_dir / name), str(out_dir / name))
-    except BaseException:  # leave no half-built index behind
-        for name in (*ENGINE_FILES, "parts-0", "merged-0"):
-            target = out_dir / name
-            if target.is_dir():
-                shutil.rmtree(target, ignore_errors=True)
-            else:
-                target.unlink(missing_ok=True)
-        if created:
-            shutil.rmtree(out_dir, ignore_errors=True)
-        raise
-    finally:
-        if work_dir != out_dir:
-            shutil.rmtree(work_dir, ignore_errors=True)
-    if isinstance(tokenizer, WordTokenizer):
-        (out_dir / VOCAB_FILE).write_text("".join(word + "\n" for word in tokenizer.vocabulary), encoding="utf-8")
-        tokenizer_meta: dict = {"kind": "word", "words": len(tokenizer.vocabulary)}
-    else:
-        tokenizer_meta = {"kind": "external", "name": tokenizer_name, "fingerprint": tokenizer.fingerprint()}
-    meta = {"format": FORMAT, "version": VERSION, "source": str(input_path), "text_field": text_field,
-            "token_dtype": "u16", "documents": documents, "tokens": tokens, "data_bytes": data_bytes,
-            "pointer_bytes": pointer_bytes, "tokenizer": tokenizer_meta}
-    (out_dir / META_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
-    return out_dir
+from rewards.index_build import (_ENGINE_NAME_PARTS, FORMAT, META_FILE, TOKEN_WIDTH, VERSION, VOCAB_FILE,
+                                 _engine_safe, build_command, build_index)
+from rewards.token_layout import TOKENS_PER_ID, separator, storable, stored_tokens
 
 
 def check_index(path: Path) -> dict:
@@ -174,11 +48,13 @@ def check_index(path: Path) -> dict:
         meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
         raise ValueError(f"corpus index {path}: cannot read {META_FILE} ({error}){fix}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise ValueError(f"corpus index {path}: {META_FILE} is not a {FORMAT} version {VERSION} file{fix}")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") not in (1, VERSION):
+        raise ValueError(f"corpus index {path}: {META_FILE} is not a {FORMAT} version 1 or {VERSION} file{fix}")
     try:
-        if meta["token_dtype"] != "u16":
-            raise ValueError(f"token_dtype {meta['token_dtype']!r} is not u16")
+        meta.setdefault("layout", "u16")  # version 1 had only this layout
+        if meta["token_dtype"] != "u16" or meta["layout"] not in TOKENS_PER_ID:
+            raise ValueError(f"token_dtype {meta['token_dtype']!r} / layout {meta['layout']!r} is not u16 / "
+                             f"one of {list(TOKENS_PER_ID)}")
         tokens, data_bytes, documents, pointer_bytes = (
             int(meta[key]) for key in ("tokens", "data_bytes", "documents", "pointer_bytes"))
         expected = {"tokenized.0": data_bytes, "offset.0": 8 * documents, "table.0": tokens * pointer_bytes}
@@ -192,7 +68,8 @@ def check_index(path: Path) -> dict:
             raise ValueError("offset.0 is not increasing document starts")
         data = np.memmap(path / "tokenized.0", dtype=np.uint8, mode="r")
         sample = np.linspace(0, documents - 1, num=min(documents, 1024)).astype(np.int64)
-        if not all(bytes(data[offsets[index]:offsets[index] + TOKEN_WIDTH]) == SEPARATOR for index in sample):
+        opening = separator(meta["layout"])
+        if not all(bytes(data[offsets[index]:offsets[index] + len(opening)]) == opening for index in sample):
             raise ValueError("offset.0 does not point at document separators in tokenized.0")
         table = np.memmap(path / "table.0", dtype=np.uint8, mode="r").reshape(tokens, pointer_bytes)
         rows = table[np.linspace(0, tokens - 1, num=min(tokens, 1024)).astype(np.int64)].astype(np.int64)
@@ -216,11 +93,14 @@ class CorpusIndex(CooccurrenceCounter):
 
     encode_fn: required for an index built with one, and checked against the fingerprint stored then.
     max_clause_freq: a phrase with more occurrences is subsampled by infini-gram (the count becomes an
-    estimate, scaled back like infini-gram's own counts).
+    estimate, scaled back like infini-gram's own counts); the default is the engine's own (50,000).
+    semantics: "engine" (infini-gram's count_cnf, the default) or "document" (rewards.cooccurrence).
+    Positions are in ids (a "u16x2" index stores two tokens per id; positions are halved), so windows
+    count words (or the external tokenizer's tokens) whatever the layout.
     """
 
     def __init__(self, path: str | os.PathLike, *, encode_fn: Callable[[str], list[int]] | None = None,
-                 max_clause_freq: int = 100_000, cache_positions: int = 4_000_000) -> None:
+                 max_clause_freq: int = 50_000, cache_positions: int = 4_000_000, semantics: str = "engine") -> None:
         path = Path(path)
         meta = check_index(path)
         if meta["tokenizer"]["kind"] == "word":
@@ -232,10 +112,11 @@ class CorpusIndex(CooccurrenceCounter):
             tokenizer = ExternalTokenizer(encode_fn, meta["tokenizer"].get("name", "external"))
             if tokenizer.fingerprint() != meta["tokenizer"].get("fingerprint"):
                 raise ValueError(f"corpus index {path}: encode_fn is not the tokenizer the index was built with")
-        super().__init__(tokenizer, cache_positions=cache_positions)
+        super().__init__(tokenizer, cache_positions=cache_positions, semantics=semantics)
         from infini_gram.engine import InfiniGramEngine  # imported here: `import rewards` stays light
 
         self.path, self.meta, self.max_clause_freq = path, meta, max_clause_freq
+        self.layout, self.stride = meta["layout"], TOKENS_PER_ID[meta["layout"]]
         engine_dir = path
         if not _engine_safe(path):
             link_parent = Path(tempfile.mkdtemp(prefix="nanogrpo-index-"))
@@ -246,21 +127,42 @@ class CorpusIndex(CooccurrenceCounter):
                 raise ValueError(f"temporary directory {link_parent} contains one of {_ENGINE_NAME_PARTS}; "
                                  "set TMPDIR elsewhere")
         self._engine = InfiniGramEngine(index_dir=str(engine_dir), eos_token_id=0, version=4, token_dtype="u16")
-        self.document_starts = np.fromfile(path / "offset.0", dtype=np.uint64).astype(np.int64) // TOKEN_WIDTH
+        offsets = np.fromfile(path / "offset.0", dtype=np.uint64).astype(np.int64)
+        self.document_starts = offsets // (TOKEN_WIDTH * self.stride)
+
+    def _stored(self, variants: list[list[int]]) -> list[list[int]]:
+        """The engine's token pattern of each storable variant (an id the index cannot hold never occurs)."""
+        return [stored_tokens(np.asarray(ids), self.layout).tolist() for ids in variants if storable(ids, self.layout)]
 
     def _clause(self, variants: list[list[int]]) -> Clause:
-        variants = [ids for ids in variants if max(ids) <= MAX_TOKEN_ID and min(ids) >= 0]
-        if not variants:  # an id the index cannot hold never occurs in it
+        patterns = self._stored(variants)
+        total = sum(self._engine.count(input_ids=pattern)["count"] for pattern in patterns)
+        if total == 0:
             empty = np.zeros(0, dtype=np.int64)
-            return empty, empty, 1.0
-        result = self._engine.find_cnf([variants], max_clause_freq=self.max_clause_freq, max_diff_tokens=1)
+            return Clause(empty, empty, 1.0, 0)
+        result = self._engine.find_cnf([patterns], max_clause_freq=self.max_clause_freq, max_diff_tokens=1)
         if "error" in result:
             raise RuntimeError(f"infini-gram query on {self.path} failed: {result['error']}")
-        pointers = np.asarray(result["ptrs_by_shard"][0] if result["ptrs_by_shard"] else [], dtype=np.int64)
-        positions = np.unique(pointers // TOKEN_WIDTH)
+        pointers = np.asarray(result["ptrs_by_shard"][0], dtype=np.int64)
+        positions = np.unique(pointers // (TOKEN_WIDTH * self.stride))
         documents = np.searchsorted(self.document_starts, positions, side="right") - 1
-        scale = result["cnt"] / len(positions) if len(positions) else 1.0
-        return positions, documents, max(scale, 1.0)
+        # the engine's subsampling factor: an integer ratio (U64 division), 1 when nothing was dropped
+        scale = float(total // len(pointers)) if total > self.max_clause_freq else 1.0
+        return Clause(positions, documents, scale, total)
+
+    def engine_count(self, head_words: list[str], tail_words: list[str], window: int = 1000) -> int:
+        """infini-gram's own `count_cnf` of the same query (each phrase an OR of its variants, the phrases
+        ANDed, max_diff_tokens = window in ids): what the "engine" semantics reproduces, for checks."""
+        if window < 1:
+            raise ValueError(f"the engine's max_diff_tokens must be >= 1, got window {window}")
+        cnf = [self._stored(self.tokenizer.variants(phrase)) for phrase in [*head_words, *tail_words]]
+        if not all(cnf):
+            return 0
+        result = self._engine.count_cnf(cnf, max_clause_freq=self.max_clause_freq,
+                                        max_diff_tokens=window * self.stride)
+        if "error" in result:
+            raise RuntimeError(f"infini-gram query on {self.path} failed: {result['error']}")
+        return int(result["count"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -277,16 +179,19 @@ def main(argv: list[str] | None = None) -> None:
     count.add_argument("--head", required=True, action="append", help="head phrase (repeatable)")
     count.add_argument("--tail", required=True, action="append", help="tail phrase (repeatable)")
     count.add_argument("--window", type=int, default=1000)
+    count.add_argument("--semantics", choices=("engine", "document"), default="engine",
+                       help="window definition (rewards.cooccurrence): infini-gram's count_cnf, or per document")
     arguments = parser.parse_args(argv)
     try:
         if arguments.command == "build":
             out = build_index(arguments.input, arguments.out, text_field=arguments.text_field, cpus=arguments.cpus)
             meta = json.loads((out / META_FILE).read_text(encoding="utf-8"))
             print(f"built {out}: {meta['documents']} documents, {meta['tokens']} tokens, "
-                  f"{meta['tokenizer']['words']} words")
+                  f"{meta['tokenizer']['words']} words, layout {meta['layout']}")
         else:
             index = CorpusIndex(arguments.index)
-            print(index.count_cooccurrence(arguments.head, arguments.tail, arguments.window))
+            print(index.count_cooccurrence(arguments.head, arguments.tail, arguments.window,
+                                           semantics=arguments.semantics))
     except (FileNotFoundError, ValueError, RuntimeError) as error:
         parser.exit(2, f"error: {error}\n")
 

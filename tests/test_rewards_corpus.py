@@ -1,5 +1,6 @@
-"""The infini-gram corpus index: built from SciFact in the suite, checked against a brute-force count and the
-in-memory counter, plus the engine quirks (path names, tiny corpora, cwd), corrupt indexes and the CLI."""
+"""The infini-gram corpus index: built from SciFact in the suite, its counts checked against infini-gram's own
+count_cnf, a brute-force count and the in-memory counter; a corpus of more than 65,534 distinct words counts
+exactly (two tokens per id); plus the engine quirks (path names, tiny corpora, cwd), corrupt indexes and the CLI."""
 import json
 import os
 import random
@@ -16,6 +17,7 @@ from rewards import compute_score
 from rewards.cooccurrence import ExternalTokenizer, MemoryCounter
 from rewards.corpus import CorpusIndex, build_index
 from rewards.factqa import count_reward
+from rewards.token_layout import MAX_PAIR_ID, MAX_SINGLE_ID
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["Marie Curie won the Nobel Prize in Physics.", "Paris is the capital of France.",
@@ -73,7 +75,7 @@ def brute_force_count(documents: list[list[str]], head: str, tail: str, window: 
 
 
 @pytest.mark.parametrize("head, tail, reward", [
-    ("insulin", "diabetes", 0.1),           # co-occur in many abstracts
+    ("insulin", "diabetes", 0.1),           # co-occur in many abstracts (engine 232, per document 266)
     ("Alzheimer", "amyloid", 0.1),
     ("type 2 diabetes", "insulin", 0.1),    # a phrase
     ("tuberculosis", "vaccine", -0.1),      # rarely together (3)
@@ -81,7 +83,9 @@ def brute_force_count(documents: list[list[str]], head: str, tail: str, window: 
 ])
 def test_scifact_known_pairs(scifact_index, scifact_words, head, tail, reward):
     count = scifact_index.count_cooccurrence([head], [tail], window=1000)
-    assert count == brute_force_count(scifact_words, head, tail, 1000)
+    assert count == scifact_index.engine_count([head], [tail], 1000)  # infini-gram's own count_cnf
+    document = scifact_index.count_cooccurrence([head], [tail], window=1000, semantics="document")
+    assert document == brute_force_count(scifact_words, head, tail, 1000) >= count
     assert count_reward(count) == reward
     assert scifact_index.count_cooccurrence([head], [tail], window=1000) == count  # cached clause, same answer
 
@@ -92,25 +96,52 @@ def test_scifact_nonsense_and_unknown_words_count_zero(scifact_index, scifact_wo
     assert scifact_index.count_cooccurrence(["insulin"], ["quantum chromodynamics"]) == 0
 
 
-def test_scifact_index_equals_memory_counter(scifact_index, scifact_texts):
-    memory = MemoryCounter(scifact_texts)
-    assert memory.tokenizer.vocabulary == scifact_index.tokenizer.vocabulary
-    rng = random.Random(0)
-    common = [word for word in memory.tokenizer.vocabulary[50:3000] if not word.isdigit()]
-    rare = memory.tokenizer.vocabulary[3000:30000]
+def random_queries(vocabulary: list[str], count: int, seed: int):
+    """(head, tail, window) with one or two phrases a side, common words, bigrams and rare words mixed."""
+    rng = random.Random(seed)
+    common = [word for word in vocabulary[50:3000] if not word.isdigit()]
+    rare = vocabulary[3000:]
     bigrams = [" ".join(pair) for pair in zip(common[::2], common[1::2])]
-    for _ in range(150):
+    for _ in range(count):
         head = [rng.choice(common + bigrams) for _ in range(rng.randint(1, 2))]
         tail = [rng.choice(common + rare) for _ in range(rng.randint(1, 2))]
-        window = rng.choice([0, 3, 30, 1000])
-        assert scifact_index.count_cooccurrence(head, tail, window) == memory.count_cooccurrence(head, tail, window), (head, tail, window)
+        yield head, tail, rng.choice([1, 3, 30, 1000])
 
 
-def test_windows_do_not_cross_documents():
+def test_scifact_index_equals_memory_counter_and_the_engine(scifact_index, scifact_texts):
+    memory = MemoryCounter(scifact_texts)
+    assert memory.tokenizer.vocabulary == scifact_index.tokenizer.vocabulary
+    for head, tail, window in random_queries(memory.tokenizer.vocabulary, 150, seed=0):
+        engine = scifact_index.engine_count(head, tail, window)
+        assert scifact_index.count_cooccurrence(head, tail, window) == engine, (head, tail, window)
+        assert memory.count_cooccurrence(head, tail, window) == engine, (head, tail, window)
+        assert (scifact_index.count_cooccurrence(head, tail, window, semantics="document")
+                == memory.count_cooccurrence(head, tail, window, semantics="document")), (head, tail, window)
+    assert scifact_index.count_cooccurrence(["cells"], ["patients"], 0) == 0  # window 0: never two starts
+
+
+def test_subsampled_counts_equal_the_engine(scifact_index):
+    # Above max_clause_freq infini-gram keeps a seeded contiguous slice of a phrase's suffix-array range and
+    # scales the count back by integer ratios; the index takes the same slice, so the estimate is the engine's.
+    index = CorpusIndex(scifact_index.path, max_clause_freq=500)
+    for head, tail in [(["the"], ["of"]), (["cells"], ["patients"]), (["insulin"], ["the"]), (["and", "in"], ["with"])]:
+        for window in (1, 10, 1000):
+            assert index.count_cooccurrence(head, tail, window) == index.engine_count(head, tail, window)
+    assert index.clause("the").scale > 1 and len(index.clause("the").positions) <= 500
+
+
+def test_windows_do_not_cross_documents(tmp_path):
     # "b" sits 1 token after "a" but in the next document: never counted, whatever the window
-    counter = MemoryCounter(["x a", "b y", "a b"])
-    assert counter.count_cooccurrence(["a"], ["b"], window=10**6) == 1
+    texts = ["x a", "b y", "a b"]
+    counter = MemoryCounter(texts)
+    assert counter.count_cooccurrence(["a"], ["b"], window=10**6, semantics="document") == 1
     assert counter.count_cooccurrence(["a"], ["b"], window=0) == 0  # different starts need a window >= 1
+    # The engine's definition: the second "a" takes the "b" of document 2 on its left as well as its own
+    # partner on its right, the range crosses two separators and is dropped; a 1-token window keeps it.
+    index = CorpusIndex(build_index(write_jsonl(tmp_path / "c.jsonl", texts), tmp_path / "index"))
+    for window, expected in ((10**6, 0), (1, 1)):
+        assert counter.count_cooccurrence(["a"], ["b"], window) == expected
+        assert index.count_cooccurrence(["a"], ["b"], window) == index.engine_count(["a"], ["b"], window) == expected
 
 
 def test_query_validation(tiny_index):
@@ -134,7 +165,7 @@ def test_engine_path_quirk_and_working_directory(tmp_path, tiny_index):
         "nanogrpo-index.json", "offset.0", "table.0", "tokenized.0", "vocab.txt"]
     normal, odd = CorpusIndex(tiny_index), CorpusIndex(quirky)
     for head, tail in [(["Paris"], ["France"]), (["Curie"], ["Paris"]), (["Nobel"], ["Physics"])]:
-        assert odd.count_cooccurrence(head, tail) == normal.count_cooccurrence(head, tail) > 0
+        assert odd.count_cooccurrence(head, tail, 3) == normal.count_cooccurrence(head, tail, 3) > 0
 
 
 def test_builder_failure_becomes_runtime_error_and_cleans_up(tmp_path):
@@ -207,31 +238,80 @@ def test_external_tokenizer_or_of_space_variants(tmp_path):
     # "Paris" at a document start, " Paris" mid-sentence, "paris" lower-case: all 4 found only with the OR
     assert len(index.clause("Paris")[0]) == len(memory.clause("Paris")[0]) == 4
     assert len(ExternalTokenizer(encode).variants("Paris")) == 4  # Paris, " Paris", paris, " paris"
-    assert index.count_cooccurrence(["Paris"], ["France"], 1000) == memory.count_cooccurrence(["Paris"], ["France"], 1000) == 3
+    document = [counter.count_cooccurrence(["Paris"], ["France"], 1000, semantics="document")
+                for counter in (index, memory)]
+    assert document == [3, 3]  # each of the 3 documents has both
+    # the engine: the ranges of documents 2 and 3 reach a partner in the previous document and are dropped
+    engine = [counter.count_cooccurrence(["Paris"], ["France"], 1000) for counter in (index, memory)]
+    assert engine == [index.engine_count(["Paris"], ["France"], 1000)] * 2 == [1, 1]
     with pytest.raises(ValueError, match="encode_fn"):
         CorpusIndex(path)
     with pytest.raises(ValueError, match="not the tokenizer"):
         CorpusIndex(path, encode_fn=fake_bpe(2, 60000))
 
 
-def test_external_ids_must_fit_16_bits(tmp_path):
-    with pytest.raises(ValueError, match=r"outside \[0, 65534\]"):
-        build_index(write_jsonl(tmp_path / "c.jsonl", TINY), tmp_path / "index", encode_fn=fake_bpe(65000, 1000))
+def test_external_ids_beyond_one_token_take_two(tmp_path):
+    # ids 65,000..65,999 do not all fit one 16-bit token (<= 65,279): the index stores two tokens per id
+    texts = ["Paris is big. Paris, France.", "France and Paris.", "paris france"]
+    encode = fake_bpe(65000, 1000)
+    path = build_index(write_jsonl(tmp_path / "c.jsonl", texts), tmp_path / "index", encode_fn=encode)
+    index = CorpusIndex(path, encode_fn=encode)
+    memory = MemoryCounter(texts, tokenizer=ExternalTokenizer(encode))
+    assert index.layout == "u16x2" and list(index.clause("Paris").positions) == list(memory.clause("Paris").positions)
+    for window in (1, 2, 1000):
+        assert index.count_cooccurrence(["Paris"], ["France"], window) == memory.count_cooccurrence(
+            ["Paris"], ["France"], window) == index.engine_count(["Paris"], ["France"], window)
+
+
+def test_ids_beyond_the_index_fail_at_build_time_naming_the_number(tmp_path):
+    with pytest.raises(ValueError, match=f"token id {MAX_PAIR_ID + 1:,}, but the index stores at most"):
+        build_index(write_jsonl(tmp_path / "c.jsonl", TINY), tmp_path / "index",
+                    encode_fn=lambda text: [MAX_PAIR_ID + 1])
     assert not (tmp_path / "index").exists()
 
 
-def test_word_vocabulary_cap_keeps_positions(tmp_path):
-    # with 3 words kept, rarer words are unknown (count 0) but still occupy their positions
+@pytest.fixture(scope="module")
+def large_vocabulary(tmp_path_factory) -> tuple[list[str], CorpusIndex]:
+    """70,400 distinct words (more than 65,534): "common" and "topic" in every document, then 100 words
+    of their own per document, each used once, so the rarest words rank beyond any 16-bit id."""
+    texts = [f"common {' '.join(f'w{d}x{k}' for k in range(50))} topic {' '.join(f'v{d}x{k}' for k in range(50))}"
+             for d in range(704)]
+    directory = tmp_path_factory.mktemp("large")
+    return texts, CorpusIndex(build_index(write_jsonl(directory / "c.jsonl", texts), directory / "index"))
+
+
+def test_more_words_than_16_bits_count_exactly(large_vocabulary):
+    texts, index = large_vocabulary
+    vocabulary = index.tokenizer.vocabulary
+    assert len(vocabulary) == 2 + 704 * 100 > 65_534 and index.layout == "u16x2"
+    rarest = vocabulary[-1]  # id 70,402, beyond 16 bits: the old index counted it 0
+    assert rarest == "w9x9" and index.tokenizer.ids[rarest] > MAX_SINGLE_ID
+    # document 9: "w9x9" is word 10 (0-based), "topic" word 51: 41 apart
+    assert [index.count_cooccurrence([rarest], ["topic"], window) for window in (40, 41)] == [0, 1]
+    assert index.count_cooccurrence(["w9x8 w9x9"], ["v9x0"], 1000) == 1  # a phrase of two rare words
+    memory = MemoryCounter(texts)
+    rng = random.Random(1)
+    for _ in range(60):
+        head = [rng.choice(vocabulary[:3] + vocabulary[-5000:])]
+        tail = [rng.choice(["common", "topic", *rng.sample(vocabulary[-70000:], 1)])]
+        window = rng.choice([1, 10, 60, 1000])
+        engine = index.engine_count(head, tail, window)
+        assert index.count_cooccurrence(head, tail, window) == memory.count_cooccurrence(head, tail, window) == engine
+        assert (index.count_cooccurrence(head, tail, window, semantics="document")
+                == memory.count_cooccurrence(head, tail, window, semantics="document"))
+
+
+def test_small_vocabulary_keeps_one_token_per_word(tmp_path):
     texts = ["a a a b b", "c rare1 rare2 b", "c rare3 a"]
-    path = build_index(write_jsonl(tmp_path / "c.jsonl", texts), tmp_path / "index", max_words=3)
-    index = CorpusIndex(path)
-    assert index.tokenizer.vocabulary == ["a", "b", "c"]  # by frequency: a 4, b 3, c 2
-    assert index.count_cooccurrence(["rare1"], ["b"]) == 0
-    assert index.count_cooccurrence(["c"], ["b"], window=3) == 1  # document 2: b is 3 tokens after c
-    assert index.count_cooccurrence(["c"], ["b"], window=2) == 0
-    assert index.count_cooccurrence(["c"], ["a"], window=2) == 1  # document 3: c, rare3, a
-    memory = MemoryCounter(texts, tokenizer=index.tokenizer)
-    assert [memory.count_cooccurrence(["c"], ["b"], window=w) for w in (2, 3)] == [0, 1]
+    index = CorpusIndex(build_index(write_jsonl(tmp_path / "c.jsonl", texts), tmp_path / "index"))
+    assert index.layout == "u16" and index.meta["tokens"] == 6 + 5 + 4  # a separator + one token per word
+    assert index.tokenizer.vocabulary[:3] == ["a", "b", "c"]  # by frequency: a 4, b 3, c 2; every word kept
+    assert index.count_cooccurrence(["rare1"], ["b"], window=2) == 1  # rare words count (no vocabulary cap)
+    # document 2 is "c rare1 rare2 b": b is 3 words after c. The engine's range for that c also reaches the
+    # b ending document 1 (2 before it) and crosses the separator: dropped; per document it counts.
+    assert [index.count_cooccurrence(["c"], ["b"], window=w, semantics="document") for w in (2, 3)] == [0, 1]
+    assert [index.count_cooccurrence(["c"], ["b"], window=w) for w in (2, 3)] == [0, 0]
+    assert index.engine_count(["c"], ["b"], 3) == 0
 
 
 def test_cli_build_and_count(tmp_path):
@@ -244,7 +324,13 @@ def test_cli_build_and_count(tmp_path):
     count = subprocess.run([sys.executable, "-m", "rewards.corpus", "count", "--index", str(tmp_path / "index"),
                             "--head", "Paris", "--tail", "France"], capture_output=True, text=True, env=environment,
                            timeout=120)
-    assert (count.returncode, count.stdout.strip()) == (0, "2")
+    # the engine: the first "France" also reaches the "Paris" opening the next document and its range crosses
+    # the separator; per document both documents count
+    assert (count.returncode, count.stdout.strip()) == (0, "1")
+    document = subprocess.run([sys.executable, "-m", "rewards.corpus", "count", "--index", str(tmp_path / "index"),
+                               "--head", "Paris", "--tail", "France", "--semantics", "document"], capture_output=True,
+                              text=True, env=environment, timeout=120)
+    assert (document.returncode, document.stdout.strip()) == (0, "2")
 
 
 def test_registered_factqa_corpus_opens_the_index(tiny_index, monkeypatch):

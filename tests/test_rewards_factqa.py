@@ -25,8 +25,11 @@ def test_count_thresholds(count, reward):
 
 @pytest.mark.parametrize("occurrences", [0, 1, 4, 5, 19, 20])
 def test_count_thresholds_end_to_end(occurrences):
-    # `occurrences` documents where Alpha and Beta co-occur, plus documents holding only one of them
-    counter = MemoryCounter(["Alpha founded Beta."] * occurrences + ["Alpha alone.", "Beta alone."])
+    # `occurrences` documents where Alpha and Beta co-occur, plus documents holding only one of them. The
+    # documents are three words long and repeated: with the engine's definition a range would also reach the
+    # neighbouring copy and be dropped (tests/test_rewards_corpus.py), so these count per document.
+    counter = MemoryCounter(["Alpha founded Beta."] * occurrences + ["Alpha alone.", "Beta alone."],
+                            semantics="document")
     assert counter.count_cooccurrence(["Alpha"], ["Beta"]) == occurrences
     result = make_factqa_reward(counter)("factqa_corpus", "Alpha founded Beta.", "x")
     assert result["sentences"] == [(0, 19, count_reward(occurrences))]
@@ -110,10 +113,11 @@ def test_rule_extractor(sentence, triple):
     assert RuleTripleExtractor().extract(sentence) == triple
 
 
-def test_query_words_dedupe_and_cap():
+def test_query_words_dedupe_without_a_cap():
     assert query_words(Triple("Marie Curie", "won", "Nobel Prize")) == (["Marie", "Curie"], ["Nobel", "Prize"])
     assert query_words(Triple("New York New", "is in", "York State")) == (["New", "York"], ["State"])
-    assert query_words(Triple("a b c d e", "is", "f")) == (["b", "c", "d"], ["f"])  # "a" is a stopword
+    # every content word is queried (the paper's AND over content words; no 3-word cap); "a" is a stopword
+    assert query_words(Triple("a b c d e", "is", "f")) == (["b", "c", "d", "e"], ["f"])
     assert query_words(Triple("the", "is", "Paris")) is None
 
 
@@ -148,6 +152,9 @@ def test_model_extractor_errors_propagate():
     ("(Paris | is capital of | France)", Triple("Paris", "is capital of", "France")),
     ("\n\nTriple: 'Paris' | \"is\" | `France`", Triple("Paris", "is", "France")),
     ("Paris | is | France | extra", None),
+    ("he | won | it\nParis | is | France", Triple("Paris", "is", "France")),  # the first VALID triple
+    ("NONE\nParis | is | France", None),  # the model said there is none; what follows is ignored
+    ("junk\nSentence: Rome is big.\nTriple: Rome | is | big city", None),  # the next few-shot example
     ("Paris | | France", None),
     ("the | is | France", None),  # no content word in the head
     ("x" * 200 + " | is | France", None),
@@ -160,7 +167,7 @@ def test_parse_triple(output, triple):
 
 def test_combined_reward_exact_values():
     corpus = ["Marie Curie won the Nobel Prize in 1903."] * 25 + ["Paris is in France."] * 3 + ["Berlin lies."]
-    reward = make_factqa_reward(MemoryCounter(corpus))
+    reward = make_factqa_reward(MemoryCounter(corpus, semantics="document"))  # short repeated documents: see above
     s1, s2, s3, s4 = ("Marie Curie won the Nobel Prize.", "Paris is in France.", "She was born in Warsaw.",
                       "Berlin borders Atlantis.")
     text = f"<think>{s1} {s2}\n{s3} {s4}</think>\n<answer>Marie Curie</answer>"
@@ -176,7 +183,8 @@ def test_combined_reward_exact_values():
 
 
 def test_registered_custom_factqa_reward_through_compute_score():
-    register("factqa_memory_test", make_factqa_reward(MemoryCounter(["Alpha founded Beta."] * 30)), overwrite=True)
+    counter = MemoryCounter(["Alpha founded Beta."] * 30, semantics="document")
+    register("factqa_memory_test", make_factqa_reward(counter), overwrite=True)
     text = "<think>Alpha founded Beta.</think>\n<answer>Gamma</answer>"
     result = compute_score("factqa_memory_test", text, "Delta")
     # judge -1 (Gamma is not Delta) + format +1 (a three-word think block) = 0
