@@ -82,6 +82,18 @@ class RewardConfig:
     correct_threshold: float = 0.5
     """A completion counts as correct (for accuracy and DAPO's filter) when its `acc` component, or else its
     score, is at least this."""
+    triple_extractor: str = "rule"
+    """factqa_corpus: rule (rewards.triples.RuleTripleExtractor) or model (a local causal LM prompted few-shot,
+    the first valid triple of its greedy output; the corpus paper uses a fine-tuned 0.5B extractor).
+    Applied by launch.triples.install_factqa_reward."""
+    triple_extractor_model: str | None = None
+    """The extractor LM for triple_extractor=model: a local HF directory or a cached org/name; null is the
+    embedded SmolLM2-135M-Instruct."""
+    triple_extractor_max_new_tokens: int = 48
+    """Greedy tokens the extractor LM may write per sentence (one `head | relation | tail` line)."""
+    cooccurrence_semantics: str = "engine"
+    """factqa_corpus window definition: engine (infini-gram's count_cnf, what the paper's count thresholds
+    were calibrated on) or document (each side checked within the document; README, "Corpus counts")."""
 
 
 @dataclass

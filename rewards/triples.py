@@ -56,10 +56,11 @@ def content_words(phrase: str) -> list[str]:
     return [word for word in _WORD.findall(phrase) if word.lower() not in STOPWORDS]
 
 
-def query_words(triple: Triple, *, max_side_words: int = _MAX_SIDE_WORDS) -> tuple[list[str], list[str]] | None:
+def query_words(triple: Triple, *, max_side_words: int | None = None) -> tuple[list[str], list[str]] | None:
     """(head words, tail words) to count, or None when there is nothing to query: duplicates removed
     (case-insensitive), tail words already in the head removed (a tail that repeats the head would count
-    the head alone), at most `max_side_words` per side.
+    the head alone). Every content word is kept, as the corpus paper ANDs all content words of the subject
+    and the object; `max_side_words` caps each side for a caller that wants cheaper queries.
 
     >>> query_words(Triple("Marie Curie", "won", "the Nobel Prize"))
     (['Marie', 'Curie'], ['Nobel', 'Prize'])
@@ -70,14 +71,14 @@ def query_words(triple: Triple, *, max_side_words: int = _MAX_SIDE_WORDS) -> tup
     for word in content_words(triple.head):
         if word.lower() not in {seen.lower() for seen in head}:
             head.append(word)
-    head = head[:max_side_words]
+    head = head[:max_side_words] if max_side_words is not None else head
     taken = {word.lower() for word in head}
     tail: list[str] = []
     for word in content_words(triple.tail):
         if word.lower() not in taken:
             taken.add(word.lower())
             tail.append(word)
-    tail = tail[:max_side_words]
+    tail = tail[:max_side_words] if max_side_words is not None else tail
     if not head or not tail:
         return None
     return head, tail
@@ -146,9 +147,10 @@ class RuleTripleExtractor:
 class ModelTripleExtractor:
     """Few-shot extraction with any `generate_fn(prompt) -> str` (the caller decodes greedily).
 
-    The model answers `head | relation | tail` or `NONE`; anything else, an empty or overlong part, or a
-    pronoun head/tail gives None. An exception inside generate_fn propagates: a failing extractor must
-    not look like a sentence without facts.
+    The model answers `head | relation | tail` or `NONE`; the first valid triple line of its output is taken
+    (parse_triple; the corpus paper's extractor also takes the first valid triple), else None. An exception
+    inside generate_fn propagates: a failing extractor must not look like a sentence without facts.
+    launch.triples builds generate_fn from a local causal LM (greedy decoding).
 
     >>> ModelTripleExtractor(lambda prompt: " Marie Curie | won | Nobel Prize\\nextra").extract("...")
     Triple(head='Marie Curie', relation='won', tail='Nobel Prize')
@@ -168,18 +170,32 @@ class ModelTripleExtractor:
 
 
 def parse_triple(output: object) -> Triple | None:
-    """The first non-empty line of a model output as `head | relation | tail` (brackets, quotes and a
-    `Triple:` prefix tolerated), or None.
+    """The first valid `head | relation | tail` line of a model output (brackets, quotes and a `Triple:`
+    prefix tolerated), or None. Reading stops at a `NONE` line or at a line that opens the next few-shot
+    example (`Sentence:`), so a model that runs on past its answer does not contribute a made-up triple.
+    Valid: three non-empty parts of at most 120 characters, head and tail not pronouns and holding a
+    content word.
 
     >>> parse_triple("Triple: (Paris | is capital of | France)")
     Triple(head='Paris', relation='is capital of', tail='France')
-    >>> parse_triple("NONE"), parse_triple("he | won | it"), parse_triple("a | b")
+    >>> parse_triple("he | won | it\\nMarie Curie | won | Nobel Prize")
+    Triple(head='Marie Curie', relation='won', tail='Nobel Prize')
+    >>> parse_triple("NONE\\nParis | is | France"), parse_triple("a | b"), parse_triple("Sentence: x\\nA | b | C")
     (None, None, None)
     """
     if not isinstance(output, str):
         return None
-    line = next((line.strip() for line in output.splitlines() if line.strip()), "")
-    line = re.sub(r"^(?:triple\s*:\s*)", "", line, flags=re.IGNORECASE).strip().strip("()[]{}<>\"'` ")
+    for raw_line in output.splitlines():
+        line = re.sub(r"^(?:triple\s*:\s*)", "", raw_line.strip(), flags=re.IGNORECASE).strip().strip("()[]{}<>\"'` ")
+        if line.upper() == "NONE" or raw_line.strip().lower().startswith("sentence:"):
+            return None
+        triple = _valid_triple(line)
+        if triple is not None:
+            return triple
+    return None
+
+
+def _valid_triple(line: str) -> Triple | None:
     parts = [part.strip().strip("\"'`").strip() for part in line.split("|")]
     if len(parts) != 3 or not all(parts) or any(len(part) > _MAX_PART_CHARS for part in parts):
         return None
