@@ -68,6 +68,17 @@ def test_rewards_quick(tmp_path):
     assert rewards.compute_score(*target)["score"] == 1.0 and rewards.compute_score(*empty)["score"] == 0.0
 
 
+def test_cooccurrence_quick(tmp_path):
+    from bench.cooccurrence import main
+
+    out = tmp_path / "cooccurrence.json"
+    assert main(["--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    # the engine definition is infini-gram's count_cnf on every query; the per-document one is never lower here
+    assert result["queries"] == result["engine_equals_count_cnf"] == 40
+    assert result["document_lower"] == 0 and 0 <= result["sentence_reward_changed"] <= result["document_differs"]
+
+
 def test_vs_trl_settings_match_on_both_sides(tmp_path):
     from bench.vs_trl import fairness_settings
     from launch.config import load_config
