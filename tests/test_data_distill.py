@@ -141,7 +141,8 @@ def test_distill_rows_through_the_chat_template_with_a_scripted_teacher():
     kept, report = launch_distill.distill_rows(
         ScriptedEngine(tokenizer, texts), tokenizer, rows, samples=2, max_reasoning_tokens=64, per_example=1,
         max_new_tokens=32, temperature=0.7, top_p=1.0, batch_size=1, seed=0, teacher="scripted")
-    assert [row["extra_info"]["target"] for row in kept] == [f"The numbers agree.\n\n{BOX_A}", f"8 is not 9.\n\n{BOX_B}"]
+    assert [row["extra_info"]["target"] for row in kept] == [f"The numbers agree.\n\n{BOX_A}",
+                                                             f"8 is not 9.\n\n{BOX_B}"]
     assert report.counts["kept"] == 2 and report.counts["no_judgment"] == 2
 
 
@@ -166,4 +167,5 @@ def test_cli_end_to_end_on_the_embedded_model(tmp_path):
     assert set(report["by_reason"]) == set(REASONS)
     assert status == (0 if report["kept"] else 1) and out.exists() == bool(report["kept"])
     for row in read_rows(out) if out.exists() else []:
-        assert judge(row["extra_info"]["target"], row["reward_model"]["ground_truth"], max_tokens=10**6).reason == "kept"
+        target, gold = row["extra_info"]["target"], row["reward_model"]["ground_truth"]
+        assert judge(target, gold, max_tokens=10**6).reason == "kept"

@@ -100,7 +100,8 @@ def test_scifact_relaxed_uses_the_prefix_constrained_label():
 
 def test_prefix_label_needs_the_label_first():
     assert prefix_label("SUPPORTS") == "SUPPORTS" and prefix_label("  <answer>\nnei\n</answer>") == "NOT_ENOUGH_INFO"
-    assert prefix_label("Label: contradicts") == "REFUTES" and prefix_label("## Final answer: *Supported*") == "SUPPORTS"
+    assert prefix_label("Label: contradicts") == "REFUTES"
+    assert prefix_label("## Final answer: *Supported*") == "SUPPORTS"
     assert prefix_label("It does not SUPPORT it") is None  # a label later in the reply does not count
     assert prefix_label("supportive evidence") is None and prefix_label("NEI-like") is None  # whole words only
     assert prefix_label("x" * 10**6 + " SUPPORTS") is None and prefix_label("") is None
