@@ -169,3 +169,31 @@ def test_cli_end_to_end_on_the_embedded_model(tmp_path):
     for row in read_rows(out) if out.exists() else []:
         target, gold = row["extra_info"]["target"], row["reward_model"]["ground_truth"]
         assert judge(target, gold, max_tokens=10**6).reason == "kept"
+
+
+def test_verifier_sft_recipe_trains_on_distilled_rows_with_the_embedded_model(tmp_path):
+    # SFT -> DAPO from shipped recipes: the distilled rows feed verifier_sft.yaml (one step here, on the
+    # embedded SmolLM2-135M); verifier_dapo.yaml's init_from is that run's final checkpoint (test_recipes runs it).
+    from launch.config import load_config
+    from launch.dist import DistInfo
+    from launch.train import run
+    from models import load_tokenizer
+
+    tokenizer = load_tokenizer(None)
+    texts = [f"Both are 144.\n{BOX_A}", f"8 is not 9.\n{BOX_B}"]
+    kept, report = launch_distill.distill_rows(
+        ScriptedEngine(tokenizer, texts), tokenizer, verifier_rows(2), samples=1, max_reasoning_tokens=64,
+        per_example=1, max_new_tokens=32, temperature=0.7, top_p=1.0, batch_size=2, seed=0, teacher="scripted")
+    rows = tmp_path / "sft.jsonl"
+    write_distilled(kept, rows, report)
+    recipe = ROOT / "launch" / "configs" / "verifier_sft.yaml"
+    cfg = load_config(recipe, ["model.name_or_path=null", "model.param_dtype=float32", f"data.train_files=['{rows}']",
+                               "data.eval_files=[]", "trainer.steps=1", "trainer.sft_batch_size=2",
+                               "trainer.micro_batch_size=2", "trainer.save_every=0", f"trainer.out_dir={tmp_path}",
+                               "trainer.run_name=sft"])
+    run(cfg, DistInfo())
+    metrics = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 1 and metrics[0]["loss"] > 0
+    assert (tmp_path / "sft" / "checkpoints" / "step_1" / "COMPLETE").exists()
+    shipped_sft, dapo = load_config(recipe), load_config(ROOT / "launch" / "configs" / "verifier_dapo.yaml")
+    assert dapo.init_from == f"runs/{shipped_sft.trainer.run_name}/checkpoints/step_{shipped_sft.trainer.steps}"

@@ -37,7 +37,8 @@ def recipe_data(tmp_path_factory, shared_data):
 
 
 def _data_source(recipe: str) -> str:
-    return {"verifier_dapo.yaml": "verifier", "corpus_grpo.yaml": "factqa_corpus"}.get(recipe, "scifact_evidence")
+    return {"verifier_dapo.yaml": "verifier", "verifier_sft.yaml": "verifier",
+            "corpus_grpo.yaml": "factqa_corpus"}.get(recipe, "scifact_evidence")
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
