@@ -88,7 +88,7 @@ def _encode_corpus(input_path: Path, text_field: str, tokenizer: WordTokenizer |
                 raise ValueError(f"{input_path}: document {len(lengths)} has a negative token id {ids.min()}")
             largest = max(largest, int(ids.max()) if len(ids) else 0)
             if largest > MAX_PAIR_ID:
-                choose_layout(largest, f"(document {len(lengths)}) token id")
+                choose_layout(largest, f"{input_path} (document {len(lengths)})")
             handle.write(ids.astype(np.uint32).tobytes())
             lengths.append(len(ids))
     return np.asarray(lengths, dtype=np.int64), largest
@@ -124,7 +124,9 @@ def build_index(input_path: str | os.PathLike, out_dir: str | os.PathLike, *, te
         raise ValueError(f"index directory {out_dir} exists and is not empty; choose a new --out")
     if encode_fn is None:
         tokenizer: WordTokenizer | ExternalTokenizer = WordTokenizer.fit(read_texts(input_path, text_field))
-        choose_layout(len(tokenizer.vocabulary), "distinct words: a word id up to")  # fails before any writing
+        if len(tokenizer.vocabulary) > MAX_PAIR_ID:  # fails before anything is written
+            raise ValueError(f"{input_path} has {len(tokenizer.vocabulary):,} distinct words; the index holds at most "
+                             f"{MAX_PAIR_ID:,} (two 16-bit tokens per word id)")
     else:
         tokenizer = ExternalTokenizer(encode_fn, tokenizer_name)
     created = not out_dir.exists()
@@ -134,8 +136,7 @@ def build_index(input_path: str | os.PathLike, out_dir: str | os.PathLike, *, te
         lengths, largest = _encode_corpus(input_path, text_field, tokenizer, work_dir / "ids.tmp")
         if len(lengths) == 0:
             raise ValueError(f"corpus file {input_path} holds no document")
-        what = "distinct words: a word id up to" if encode_fn is None else "token id"
-        layout = choose_layout(largest, what)
+        layout = choose_layout(largest, str(input_path))
         data_bytes = _write_tokens(work_dir / "ids.tmp", lengths, layout, work_dir)
         (work_dir / "ids.tmp").unlink()
         _run_builder(work_dir, data_bytes, cpus)

@@ -29,8 +29,8 @@ MAX_PAIR_ID = HIGH_IDS * LOW_IDS - 1  # 1,065,336,959
 TOKENS_PER_ID = {"u16": 1, "u16x2": 2}
 
 
-def choose_layout(largest_id: int, what: str = "token id") -> str:
-    """"u16" when `largest_id` fits one token, else "u16x2"; ValueError naming the number beyond MAX_PAIR_ID.
+def choose_layout(largest_id: int, where: str = "the corpus") -> str:
+    """"u16" when `largest_id` fits one token, else "u16x2"; ValueError naming the id beyond MAX_PAIR_ID.
 
     >>> choose_layout(65_279), choose_layout(65_280), choose_layout(1_065_336_959)
     ('u16', 'u16x2', 'u16x2')
@@ -39,7 +39,7 @@ def choose_layout(largest_id: int, what: str = "token id") -> str:
         return "u16"
     if largest_id <= MAX_PAIR_ID:
         return "u16x2"
-    raise ValueError(f"the corpus needs {what} {largest_id:,}, but the index stores at most {MAX_PAIR_ID:,} "
+    raise ValueError(f"{where} has token id {largest_id:,}, beyond the largest id the index stores, {MAX_PAIR_ID:,} "
                      f"(two 16-bit tokens per id)")
 
 

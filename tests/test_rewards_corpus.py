@@ -264,9 +264,17 @@ def test_external_ids_beyond_one_token_take_two(tmp_path):
 
 
 def test_ids_beyond_the_index_fail_at_build_time_naming_the_number(tmp_path):
-    with pytest.raises(ValueError, match=f"token id {MAX_PAIR_ID + 1:,}, but the index stores at most"):
+    with pytest.raises(ValueError, match=f"token id {MAX_PAIR_ID + 1:,}, beyond the largest id the index stores"):
         build_index(write_jsonl(tmp_path / "c.jsonl", TINY), tmp_path / "index",
                     encode_fn=lambda text: [MAX_PAIR_ID + 1])
+    assert not (tmp_path / "index").exists()
+
+
+def test_more_distinct_words_than_the_index_holds_fail_naming_the_number(tmp_path, monkeypatch):
+    # a billion distinct words cannot be made in a test: the limit is lowered to 3 instead
+    monkeypatch.setattr("rewards.index_build.MAX_PAIR_ID", 3)
+    with pytest.raises(ValueError, match="has 4 distinct words; the index holds at most 3"):
+        build_index(write_jsonl(tmp_path / "c.jsonl", ["a b", "c d"]), tmp_path / "index")
     assert not (tmp_path / "index").exists()
 
 
