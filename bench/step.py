@@ -25,6 +25,7 @@ On CUDA the per-phase torch.cuda.max_memory_allocated is reported as well.
 """
 from __future__ import annotations
 
+import dataclasses
 import argparse
 import os
 import re
@@ -88,8 +89,8 @@ class PhaseMemory:
         self.open = (self.step, phase, status_bytes("VmRSS"))
 
 
-def _instrument(parts, memory: PhaseMemory, generated: list[dict]) -> list:
-    """Wrap the parts' engine, sync and logger; hook the models. Returns the hook handles."""
+def _instrument(parts, memory: PhaseMemory, generated: list[dict]) -> tuple:
+    """Wrap the parts' engine, sync and logger; hook the models. Returns (the parts to train with, the hooks)."""
     import torch
 
     engine, sync, log_metrics = parts.engine, parts.sync_weights, parts.log.metrics
@@ -136,10 +137,12 @@ def _instrument(parts, memory: PhaseMemory, generated: list[dict]) -> list:
         memory.step += 1
 
     engine.generate = generate
-    parts.sync_weights = sync_weights
     parts.log.metrics = metrics
-    models = [parts.model] + ([parts.ref_model] if parts.ref_model is not None else [])
-    return [model.register_forward_pre_hook(forward_pre_hook) for model in models]
+    models = [parts.policy.model]
+    if parts.reference_logprobs is not None and parts.reference_logprobs.model is not parts.policy.model:
+        models.append(parts.reference_logprobs.model)
+    hooks = [model.register_forward_pre_hook(forward_pre_hook) for model in models]
+    return dataclasses.replace(parts, sync_weights=sync_weights), hooks
 
 
 def _step_report(record: dict, memory: PhaseMemory, step: int, ppo_epochs: int) -> dict:
@@ -174,7 +177,7 @@ def prepare_model(model: str | None, quick: bool, work_dir: Path) -> str | None:
     if not quick:
         return None if model in (None, "default") else model
     from models import load_tokenizer
-    from models.tiny import tiny_model
+    from tests.tiny import tiny_model
     directory = work_dir / "tiny"
     tiny_model("llama", seed=0).save_pretrained(directory)
     load_tokenizer(None).save_pretrained(directory)
@@ -202,8 +205,9 @@ def run_steps(overrides: list[str], *, sync: str = "shared", no_eos: bool = Fals
     import torch
 
     from grpo.trainer import train_rl
-    from launch.build import build, load_model_copy
+    from launch.build import build
     from launch.config import load_config
+    from models import load_model
     from launch.dist import init_distributed, shutdown
     from rollout.hf_engine import HFEngine
     from rollout.sync import sync_weights
@@ -211,28 +215,31 @@ def run_steps(overrides: list[str], *, sync: str = "shared", no_eos: bool = Fals
     cfg = load_config(None, overrides)
     dist = init_distributed()
     try:
-        parts = build(cfg, dist)
-        parts.save = lambda step: None  # checkpoints are not part of a step
+        built = build(cfg, dist)
+        built.checkpoints.save = lambda step: None  # checkpoints are not part of a step
+        parts = built.parts
         if sync == "copy" or no_eos:
             if cfg.rollout.engine != "hf":
                 raise ValueError(f"--sync copy / --no-eos need rollout.engine=hf, got {cfg.rollout.engine!r}")
-            vocab_rows = parts.model.get_output_embeddings().weight.shape[0]
+            model, tokenizer = parts.policy.model, parts.engine.tokenizer
+            vocab_rows = model.get_output_embeddings().weight.shape[0]
             # An id past the vocabulary is never sampled, so no completion ends before max_new_tokens.
             eos = [vocab_rows] if no_eos else None
             if sync == "copy":
                 load = dict(dtype=getattr(torch, cfg.model.dtype), device=dist.device,
                             attn_implementation=cfg.model.attn_implementation,
                             trust_remote_code=cfg.model.trust_remote_code)
-                engine = HFEngine(load_model_copy(cfg.model.name_or_path, load), parts.tokenizer, shared=False,
-                                  eos_token_ids=eos)
-                parts.sync_weights = lambda: sync_weights(parts.model, engine, bucket_bytes=cfg.rollout.sync_bucket_mb << 20)
-                parts.sync_weights()
+                engine = HFEngine(load_model(cfg.model.name_or_path, **load).eval().requires_grad_(False), tokenizer,
+                                  shared=False, eos_token_ids=eos)
+                sync_copy = lambda: sync_weights(model, engine, bucket_bytes=cfg.rollout.sync_bucket_mb << 20)  # noqa: E731
+                sync_copy()
+                parts = dataclasses.replace(parts, sync_weights=sync_copy)
             else:
-                engine = HFEngine(parts.model, parts.tokenizer, shared=True, eos_token_ids=eos)
-            parts.engine = engine
+                engine = HFEngine(model, tokenizer, shared=True, eos_token_ids=eos)
+            parts = dataclasses.replace(parts, engine=engine)
         memory = PhaseMemory(cuda=dist.device.type == "cuda")
         generated: list[dict] = []
-        hooks = _instrument(parts, memory, generated)
+        parts, hooks = _instrument(parts, memory, generated)
         if on_build is not None:
             on_build(parts)
         started, started_cpu = time.perf_counter(), time.process_time()
@@ -241,7 +248,7 @@ def run_steps(overrides: list[str], *, sync: str = "shared", no_eos: bool = Fals
         finally:
             for hook in hooks:
                 hook.remove()
-            parts.log.close()
+            built.log.close()
             memory.close()
         wall = time.perf_counter() - started
         steps = [_step_report(record, memory, step, cfg.algorithm.ppo_epochs) for step, record in enumerate(generated)]

@@ -4,16 +4,15 @@ The ground truth is the gold aliases joined with `;` (a plain string, which the 
 string-match judge splits); the system prompt asks for `<think>...</think><answer>...</answer>`.
 
     python -m data.factqa convert --input ../shared/data/factqa/nq_open_validation.json --out nq.jsonl
-    python -m data.factqa filter --input nq.jsonl --out nq_zone.jsonl --group-size 8   # see data/self_filter.py
+    python -m launch.self_filter --input nq.jsonl --out nq_zone.jsonl --group-size 8   # the learning zone
 """
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from data.jsonio import read_records, require
-from data.rows import make_row, read_rows, write_rows
+from data.rows import make_row, write_rows
 
 DATA_SOURCE = "factqa_corpus"
 ABILITY = "factual_qa"
@@ -102,28 +101,6 @@ def _convert_command(args: argparse.Namespace) -> None:
     print(f"{args.out}: {len(rows)} rows")
 
 
-def _filter_command(args: argparse.Namespace) -> None:
-    from data.self_filter import check_settings, engine_generate_fn, load_judge, self_filter
-
-    rows = read_rows(args.input)
-    # Settings and judge are checked before the model loads, so a typo fails in a second, not after a minute.
-    check_settings(args.group_size, args.min_correct, args.max_correct, args.anchors, args.batch_size)
-    judge_fn = load_judge(args.judge)
-    generate_fn = engine_generate_fn(
-        args.model, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
-    )
-    kept, stats = self_filter(
-        rows, generate_fn, judge_fn,
-        group_size=args.group_size, min_correct=args.min_correct, max_correct=args.max_correct,
-        anchors=args.anchors, batch_size=args.batch_size, seed=args.seed, render=json.dumps,
-    )
-    if not kept:
-        raise ValueError(f"no question was answered correctly between {stats['min_correct']} and "
-                         f"{stats['max_correct']} times out of {args.group_size}; nothing to write ({stats})")
-    write_rows(kept, Path(args.out))
-    print(f"{args.out}: kept {len(kept)} of {len(rows)} rows {stats}")
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m data.factqa", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -132,24 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     convert.add_argument("--out", required=True, help="output .jsonl or .parquet")
     convert.add_argument("--split", default="train")
     convert.add_argument("--limit", type=int, default=None, help="keep the first N rows of each input")
-    keep = commands.add_parser("filter", help="keep the questions the current model gets right sometimes")
-    keep.add_argument("--input", required=True, help="factqa rows (.jsonl or .parquet)")
-    keep.add_argument("--out", required=True)
-    keep.add_argument("--model", default=None, help="model directory or HF id in the local cache; default: embedded")
-    keep.add_argument("--group-size", type=int, default=8, help="completions sampled per question (G)")
-    keep.add_argument("--min-correct", type=int, default=1)
-    keep.add_argument("--max-correct", type=int, default=None, help="default: G-1")
-    keep.add_argument("--anchors", type=int, default=0, help="also keep this many always-correct questions")
-    keep.add_argument("--max-new-tokens", type=int, default=256)
-    keep.add_argument("--temperature", type=float, default=1.0)
-    keep.add_argument("--top-p", type=float, default=1.0)
-    keep.add_argument("--batch-size", type=int, default=16, help="questions per generate call")
-    keep.add_argument("--seed", type=int, default=0)
-    keep.add_argument("--judge", default="rewards.factqa:judge",
-                      help="module:function judging (completion_text, ground_truth): bool, or a number > 0 if right")
     args = parser.parse_args(argv)
     try:
-        _convert_command(args) if args.command == "convert" else _filter_command(args)
+        _convert_command(args)
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(f"error: {error}") from None
 

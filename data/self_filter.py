@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-import json
 import random
 from typing import Callable
 
@@ -132,33 +131,3 @@ def load_judge(spec: str | None) -> JudgeFn:
         raise ValueError(f"judge {spec!r} returned {type(result).__name__}; expected bool or a number")
 
     return judge
-
-
-def engine_generate_fn(
-    model: str | None, *, max_new_tokens: int, temperature: float, top_p: float, seed: int
-) -> GenerateFn:
-    """A generate_fn backed by the project's transformers engine; its prompts are chat messages as JSON text.
-
-    Use it with `render=json.dumps` so each prompt is rendered through the model's own chat template
-    (system prompt included) and tokenised exactly once.
-    """
-    import models
-    from rollout.hf_engine import HFEngine
-
-    tokenizer = models.load_tokenizer(model)
-    engine = HFEngine(models.load_model(model), tokenizer)
-    calls = 0
-
-    def generate(prompts: list[str], n: int) -> list[list[str]]:
-        nonlocal calls
-        prompt_ids = [models.render_prompt(tokenizer, json.loads(prompt)) for prompt in prompts]
-        # A different seed per call: the same seed for every batch would correlate the samples across batches.
-        completions = engine.generate(
-            prompt_ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
-            top_p=top_p, top_k=0, stop=None, seed=seed + calls,
-        )
-        calls += 1
-        texts = [completion.text for completion in completions]
-        return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
-
-    return generate

@@ -18,6 +18,20 @@ def _flat_groups(grouped: Tensor) -> Tensor:
     return (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
 
 
+def flat_groups(values: Tensor, group_size: int) -> Tensor:
+    """Which groups are flat: every value equal to the group's first, exactly (no tolerance: the same test
+    that zeroes their advantages, DAPO's filter and the flat_group_frac metric use).
+
+    values: [B] per-completion values of P consecutive groups of G. Returns [P] bool.
+
+    >>> flat_groups(torch.tensor([0.7, 0.7, 0.0, 1.0]), 2)
+    tensor([ True, False])
+    """
+    check_ndim(values, "values", 1)
+    check_groups(values.shape[0], group_size)
+    return _flat_groups(values.view(-1, group_size)).squeeze(1)
+
+
 def _scale(grouped: Tensor, scale: str) -> Tensor:
     """Per-group divisor (before eps) for [P, G] returns: group std, batch std, or 1 (Dr. GRPO)."""
     if scale == "group":

@@ -1,41 +1,95 @@
-"""Held-out evaluation: greedy completions scored by the same reward functions as training."""
+"""Held-out evaluation, the one path for the trainer's scores and `launch.eval`: greedy completions (batches of
+similar prompt lengths), each scored by grpo.scoring exactly as training scores it, per-prompt values kept so
+that a table can give each mean its 95% interval and two models their paired difference (grpo/stats.py).
+"""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from grpo.scoring import correctness
+from grpo.scoring import Scorer, correctness, format_success
+from grpo.stats import mean_interval
+
+# Per-prompt values every evaluation keeps, besides the reward's own numeric components ("evidence", ...).
+BASE_METRICS = ("reward", "acc", "format")
 
 
-def evaluate(engine, rows: Sequence[dict], prompt_ids: Sequence[list[int]], compute_score: Callable, dist, *,
-             max_new_tokens: int, batch_size: int = 16, correct_threshold: float = 0.5) -> dict:
-    """Mean reward, accuracy and format success over `rows` (each rank takes every world_size-th row).
+def greedy_completions(engine, prompt_ids: Sequence[list[int]], *, max_new_tokens: int, batch_size: int = 16) -> list:
+    """Greedy completions in prompt order; each batch holds prompts of similar length (less left padding)."""
+    order = sorted(range(len(prompt_ids)), key=lambda i: -len(prompt_ids[i]))
+    completions: list = [None] * len(prompt_ids)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        outputs = engine.generate([prompt_ids[i] for i in chunk], n=1, max_new_tokens=max_new_tokens,
+                                  temperature=0.0, top_p=1.0, top_k=0, stop=[], seed=0)
+        for i, completion in zip(chunk, outputs):
+            completions[i] = completion
+    return completions
 
-    Returns {"eval_reward", "eval_acc", "eval_format_rate", "eval_count"} reduced over ranks, and the
-    per-example records of this rank under "records".
+
+def score_record(scorer: Scorer, row: dict, text: str, position: int = 0) -> dict[str, float]:
+    """One completion's held-out values: reward, acc (0/1), format (NaN when the reward has none), and every
+    numeric component of the reward."""
+    result = scorer.result(row, text, position)
+    values = {"reward": result["score"], "acc": correctness(result, result["score"], scorer.correct_threshold),
+              "format": format_success(result)}
+    values.update({key: float(value) for key, value in result.items()
+                   if key not in ("score", "sentences") and isinstance(value, (int, float, bool))})
+    return values
+
+
+def metric_names(scorer: Scorer, rows: Sequence[dict]) -> list[str]:
+    """BASE_METRICS, then the numeric components of each data source's reward (found by scoring an empty
+    completion of its first row: cheap, and the same on every rank, so ranks gather the same columns)."""
+    names = list(BASE_METRICS)
+    first_rows = {row["data_source"]: row for row in reversed(rows)}
+    for source in sorted(first_rows):
+        names += [name for name in score_record(scorer, first_rows[source], "") if name not in names]
+    return names
+
+
+def evaluate(engine, scorer: Scorer, rows: Sequence[dict], prompt_ids: Sequence[list[int]], dist, *,
+             max_new_tokens: int, batch_size: int = 16) -> dict:
+    """Score every held-out row (each rank completes every world_size-th row; the values are gathered).
+
+    Returns {"count": N, "values": {metric: [N per-prompt floats, NaN where undefined]}, "means": {metric:
+    (mean, low, high)}, "records": this rank's [{"index", "completion", "finish_reason", **values}]}.
+    Metrics: metric_names (a component a row's reward lacks is NaN for that row).
     """
     mine = list(range(dist.rank, len(rows), dist.world_size))
-    sums = torch.zeros(4, dtype=torch.float64)  # reward, correct, format, count
+    completions = greedy_completions(engine, [prompt_ids[i] for i in mine], max_new_tokens=max_new_tokens,
+                                     batch_size=batch_size)
     records = []
-    for start in range(0, len(mine), batch_size):
-        chunk = mine[start:start + batch_size]
-        completions = engine.generate([prompt_ids[i] for i in chunk], n=1, max_new_tokens=max_new_tokens,
-                                      temperature=0.0, top_p=1.0, top_k=0, stop=[], seed=0)
-        for i, completion in zip(chunk, completions):
-            row = rows[i]
-            result = compute_score(row["data_source"], completion.text, row["reward_model"]["ground_truth"],
-                                   row.get("extra_info"))
-            result = result if isinstance(result, dict) else {"score": float(result)}
-            score = float(result["score"])
-            ok = correctness(result, score, correct_threshold)
-            fmt = float(result.get("format", math.nan))
-            sums += torch.tensor([score, ok, float(fmt >= 1.0) if not math.isnan(fmt) else 0.0, 1.0],
-                                 dtype=torch.float64)
-            records.append({"index": row.get("extra_info", {}).get("index", i), "completion": completion.text,
-                            "reward": score, "correct": ok, "finish_reason": completion.finish_reason})
-    sums = dist.all_reduce_sum(sums.to(dist.device)).cpu()
-    count = max(float(sums[3]), 1.0)
-    return {"eval_reward": float(sums[0]) / count, "eval_acc": float(sums[1]) / count,
-            "eval_format_rate": float(sums[2]) / count, "eval_count": int(sums[3]), "records": records}
+    for i, completion in zip(mine, completions):
+        values = score_record(scorer, rows[i], completion.text, i)
+        records.append({"index": rows[i].get("extra_info", {}).get("index", i), "completion": completion.text,
+                        "finish_reason": completion.finish_reason, **values})
+    names = metric_names(scorer, rows)
+    table = torch.zeros(len(rows), len(names), dtype=torch.float64, device=dist.device)
+    for i, record in zip(mine, records):
+        table[i] = torch.tensor([record.get(name, math.nan) for name in names], dtype=torch.float64)
+    table = dist.all_reduce_sum(table).cpu()  # each row is filled by exactly one rank
+    values = {name: table[:, k].tolist() for k, name in enumerate(names)}
+    return {"count": len(rows), "values": values, "means": {k: mean_interval(v) for k, v in values.items()},
+            "records": records}
+
+
+def summarize(result: dict, prefix: str = "eval/") -> dict[str, float]:
+    """evaluate()'s result as flat numbers for metrics.jsonl: prefix+metric (the mean), +"_low" / +"_high"
+    (its 95% interval) and prefix+"count"."""
+    out = {f"{prefix}count": float(result["count"])}
+    for name, (mean, low, high) in result["means"].items():
+        out.update({f"{prefix}{name}": mean, f"{prefix}{name}_low": low, f"{prefix}{name}_high": high})
+    return out
+
+
+def evaluation_due(done: int, every: int, steps: int) -> bool:
+    """Whether the loops score the held-out rows after step `done` (0: before the first step): every `every`
+    steps, and after the last one (trainer.eval_every; 0 is off).
+
+    >>> [d for d in range(11) if evaluation_due(d, 4, 10)]
+    [0, 4, 8, 10]
+    """
+    return every > 0 and (done % every == 0 or done == steps)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from grpo.checks import check_groups, check_ndim
+from grpo.advantages import flat_groups
 
 
 def keep_groups(metric: Tensor, group_size: int) -> Tensor:
@@ -17,7 +17,4 @@ def keep_groups(metric: Tensor, group_size: int) -> Tensor:
     >>> keep_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), 2)
     tensor([False,  True, False])
     """
-    check_ndim(metric, "metric", 1)
-    check_groups(metric.shape[0], group_size)
-    grouped = metric.view(-1, group_size)
-    return (grouped != grouped[:, :1]).any(dim=1)
+    return ~flat_groups(metric, group_size)

@@ -3,105 +3,100 @@ groups whose correctness varies, generating more until the batch is full or the 
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from grpo.filters import keep_groups
-from grpo.scoring import score_completions
-
-
-class PromptSampler:
-    """Seeded epoch-wise shuffling of row indices; each rank reads its own stride (whole groups per rank).
-
-    `position` (prompts consumed by this rank) is all the state a resumed run needs.
-    """
-
-    def __init__(self, num_rows: int, *, seed: int, rank: int = 0, world_size: int = 1, shuffle: bool = True):
-        if num_rows < world_size:
-            raise ValueError(f"{num_rows} training rows cannot feed {world_size} ranks")
-        self.num_rows, self.seed, self.rank, self.world_size, self.shuffle = num_rows, seed, rank, world_size, shuffle
-        self.position = 0
-
-    def _order(self, epoch: int) -> list[int]:
-        if not self.shuffle:
-            return list(range(self.num_rows))
-        return torch.randperm(self.num_rows, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
-
-    def next(self, count: int) -> list[int]:
-        per_epoch = self.num_rows // self.world_size
-        out = []
-        for _ in range(count):
-            epoch, offset = divmod(self.position, per_epoch)
-            out.append(self._order(epoch)[offset * self.world_size + self.rank])
-            self.position += 1
-        return out
+from grpo.scoring import Scorer
 
 
 @dataclass
-class Groups:
-    """B = P * G completions of P prompts, grouped (the G completions of a prompt are consecutive)."""
-    completions: list  # rollout.engine.Completion
+class Group:
+    """The G completions of one prompt, scored."""
+    completions: list  # G rollout.engine.Completion
+    rows: list[dict]  # G times the prompt's row
+    rewards: Tensor  # [G]
+    correct: Tensor  # [G]
+    token_shaping: Tensor  # [G, T_g] sentence shaping (zeros without sentence rewards)
+    components: dict[str, list[float]]  # each G values
+
+
+def _pad_columns(tensors: Sequence[Tensor], width: int) -> Tensor:
+    """Stack [n_i, T_i] tensors into [sum n_i, width], zero-padded on the right."""
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors])
+
+
+@dataclass
+class Batch:
+    """B = P * G completions of P prompts (a prompt's G completions consecutive), ready for the update."""
+    completions: list
     rows: list[dict]
-    rewards: Tensor  # [B]
-    correct: Tensor  # [B]
-    token_shaping: list[Tensor]  # B rows of [T_b] (zeros without sentence rewards)
-    components: dict[str, list[float]]
+    rewards: Tensor  # [B] outcome rewards
+    correct: Tensor  # [B] 0/1
+    lengths: Tensor  # [B] completion lengths in tokens (float32)
     loss_weight: Tensor  # [B] 1, or 0 for filler groups that must not train (dynamic sampling)
+    mask: Tensor  # [B, T] completion tokens times loss_weight: what the loss trains on
+    token_shaping: Tensor  # [B, T] sentence shaping
+    components: dict[str, list[float]]
     rounds: int
     generated_groups: int
 
+    @classmethod
+    def from_groups(cls, groups: Sequence[Group], weights: Sequence[float], *, rounds: int, generated: int) -> Batch:
+        lengths = torch.tensor([len(c.completion_ids) for g in groups for c in g.completions], dtype=torch.float32)
+        width = int(lengths.max()) if len(lengths) else 0
+        loss_weight = torch.tensor([w for g, w in zip(groups, weights) for _ in g.completions], dtype=torch.float32)
+        mask = (torch.arange(width)[None, :] < lengths[:, None]).float() * loss_weight[:, None]
+        components: dict[str, list[float]] = {}
+        for group in groups:
+            for key, values in group.components.items():
+                components.setdefault(key, []).extend(values)
+        return cls(completions=[c for g in groups for c in g.completions], rows=[r for g in groups for r in g.rows],
+                   rewards=torch.cat([g.rewards for g in groups]), correct=torch.cat([g.correct for g in groups]),
+                   lengths=lengths, loss_weight=loss_weight, mask=mask,
+                   token_shaping=_pad_columns([g.token_shaping for g in groups], width), components=components,
+                   rounds=rounds, generated_groups=generated)
 
-def _score(completions, rows, compute_score, decode_prefixes, sentence_coef, correct_threshold):
-    scores = score_completions([c.text for c in completions], [c.completion_ids for c in completions], rows,
-                               compute_score, decode_prefixes, sentence_coef=sentence_coef,
-                               correct_threshold=correct_threshold)
-    shaping = [scores.token_shaping[b, : len(c.completion_ids)] if scores.token_shaping is not None
-               else torch.zeros(len(c.completion_ids)) for b, c in enumerate(completions)]
-    return scores, shaping
+
+def generate_groups(engine, scorer: Scorer, rows: Sequence[dict], prompt_ids: Sequence[list[int]],
+                    indices: Sequence[int], *, group_size: int, sampling: dict, seed: int) -> list[Group]:
+    """G scored completions for each of the prompts `indices`, one Group per prompt, in order."""
+    completions = engine.generate([prompt_ids[i] for i in indices], n=group_size, seed=seed, **sampling)
+    batch_rows = [rows[i] for i in indices for _ in range(group_size)]
+    scores = scorer.score([c.text for c in completions], [c.completion_ids for c in completions], batch_rows)
+    groups = []
+    for p in range(len(indices)):
+        span = slice(p * group_size, (p + 1) * group_size)
+        width = max(len(c.completion_ids) for c in completions[span])
+        groups.append(Group(completions[span], batch_rows[span], scores.rewards[span], scores.correct[span],
+                            scores.token_shaping[span, :width], {k: v[span] for k, v in scores.components.items()}))
+    return groups
 
 
-def collect_groups(
-    engine, sampler: PromptSampler, rows: Sequence[dict], prompt_ids: Sequence[list[int]], *,
-    num_prompts: int, group_size: int, sampling: dict, seed: int, compute_score: Callable,
-    decode_prefixes: Callable, sentence_coef: float, correct_threshold: float,
-    dynamic_sampling: bool = False, max_rounds: int = 1,
-) -> Groups:
+def collect_groups(engine, sampler, rows: Sequence[dict], prompt_ids: Sequence[list[int]], scorer: Scorer, *,
+                   num_prompts: int, group_size: int, sampling: dict, seed: int, dynamic_sampling: bool = False,
+                   max_rounds: int = 1) -> Batch:
     """Generate and score until `num_prompts` groups are kept (all of them without dynamic sampling).
 
-    With dynamic sampling, a batch that is still short after `max_rounds` rounds is filled with dropped
-    groups whose loss weight is 0, so every rank runs the same number of micro-batches (FSDP needs it).
+    sampler: data.sampler.PromptSampler (`next(count)` -> row indices of this rank).
+    With dynamic sampling (DAPO) a group is kept only when its correctness is not constant; a batch that is
+    still short after `max_rounds` rounds is filled with dropped groups whose loss weight is 0, so every rank
+    runs the same number of micro-batches (FSDP needs it). Round r generates with seed + 7919 * r.
     """
-    kept: list[tuple] = []
-    dropped: list[tuple] = []
-    rounds = generated = 0
+    kept: list[Group] = []
+    dropped: list[Group] = []
+    rounds = 0
     while len(kept) < num_prompts and rounds < (max_rounds if dynamic_sampling else 1):
-        indices = sampler.next(num_prompts)
-        completions = engine.generate([prompt_ids[i] for i in indices], n=group_size,
-                                      seed=seed + 7919 * rounds, **sampling)
-        batch_rows = [rows[i] for i in indices for _ in range(group_size)]
-        scores, shaping = _score(completions, batch_rows, compute_score, decode_prefixes, sentence_coef,
-                                 correct_threshold)
-        keep = keep_groups(scores.correct, group_size) if dynamic_sampling else torch.ones(num_prompts, dtype=torch.bool)
-        for p in range(num_prompts):
-            span = slice(p * group_size, (p + 1) * group_size)
-            group = (completions[span], batch_rows[span], scores.rewards[span], scores.correct[span], shaping[span],
-                     {k: v[span] for k, v in scores.components.items()})
-            (kept if keep[p] else dropped).append(group)
+        groups = generate_groups(engine, scorer, rows, prompt_ids, sampler.next(num_prompts), group_size=group_size,
+                                 sampling=sampling, seed=seed + 7919 * rounds)
+        informative = keep_groups(torch.cat([g.correct for g in groups]), group_size)
+        for group, keep in zip(groups, informative.tolist()):
+            (kept if keep or not dynamic_sampling else dropped).append(group)
         rounds += 1
-        generated += num_prompts
-    weights = [1.0] * len(kept[:num_prompts]) + [0.0] * (num_prompts - min(len(kept), num_prompts))
-    chosen = kept[:num_prompts] + dropped[: num_prompts - len(kept[:num_prompts])]
-    components: dict[str, list[float]] = {}
-    for group in chosen:
-        for key, values in group[5].items():
-            components.setdefault(key, []).extend(values)
-    return Groups(
-        completions=[c for g in chosen for c in g[0]], rows=[r for g in chosen for r in g[1]],
-        rewards=torch.cat([g[2] for g in chosen]), correct=torch.cat([g[3] for g in chosen]),
-        token_shaping=[s for g in chosen for s in g[4]], components=components,
-        loss_weight=torch.tensor([w for w in weights for _ in range(group_size)], dtype=torch.float32),
-        rounds=rounds, generated_groups=generated,
-    )
+    chosen = kept[:num_prompts]
+    weights = [1.0] * len(chosen) + [0.0] * (num_prompts - len(chosen))
+    chosen += dropped[: num_prompts - len(chosen)]
+    return Batch.from_groups(chosen, weights, rounds=rounds, generated=rounds * num_prompts)

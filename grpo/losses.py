@@ -18,6 +18,17 @@ LOG_RATIO_LIMIT = 20.0  # exp(20) ~ 5e8: large enough never to bind on sane data
 K3_LIMIT = 10.0
 
 
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of values [B, T] over the tokens where mask [B, T] is 1; 0 (not NaN) when the mask is empty.
+
+    >>> masked_mean(torch.tensor([[1.0, 2.0], [3.0, 9.0]]), torch.tensor([[1.0, 1.0], [1.0, 0.0]]))
+    tensor(2.)
+    """
+    check_same_shape(values, "values", mask, "mask")
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
 def loss_denominator(mask: Tensor, agg: str) -> Tensor:
     """The local count an aggregation divides by: masked tokens ("token-mean") or sequences with at least
     one masked token (both "seq-mean-*" modes). mask: [B, T] 0/1. Returns a 0-dim float tensor.
@@ -115,15 +126,12 @@ def policy_loss(
 
     with torch.no_grad():
         m = mask.to(logprobs.dtype)
-        count = m.sum().clamp(min=1)
-        upper = ((advantages > 0) & (ratio > 1.0 + clip_high)).to(m.dtype)
-        lower = ((advantages < 0) & (ratio < 1.0 - clip_low)).to(m.dtype)
         metrics = {
-            "clip_frac_upper": (upper * m).sum() / count,
-            "clip_frac_lower": (lower * m).sum() / count,
-            "clip_frac_dual": (dual_active.to(m.dtype) * m).sum() / count,
-            "approx_kl": ((ratio - 1.0 - log_ratio) * m).sum() / count,
-            "ratio_mean": (ratio * m).sum() / count,
+            "clip_frac_upper": masked_mean(((advantages > 0) & (ratio > 1.0 + clip_high)).to(m.dtype), m),
+            "clip_frac_lower": masked_mean(((advantages < 0) & (ratio < 1.0 - clip_low)).to(m.dtype), m),
+            "clip_frac_dual": masked_mean(dual_active.to(m.dtype), m),
+            "approx_kl": masked_mean(ratio - 1.0 - log_ratio, m),
+            "ratio_mean": masked_mean(ratio, m),
             "ratio_max": torch.where(m > 0, ratio, torch.zeros_like(ratio)).max(),
         }
     return loss, metrics

@@ -10,26 +10,32 @@ import math
 import torch
 from torch import Tensor
 
+from grpo.advantages import flat_groups
+from grpo.losses import masked_mean
+from grpo.scoring import format_success
+
 
 def _nanmean(values) -> float:
     finite = [v for v in values if not math.isnan(v)]
     return sum(finite) / len(finite) if finite else float("nan")
 
 
-def step_metrics(groups, rewards: Tensor, lengths: Tensor, max_len: int, group_size: int, updates: list[dict],
-                 times: dict, *, grad_norm: float, lr: float, skipped: float, sync_info: dict) -> dict:
-    """Everything one step logs; `updates` holds one dict per micro-batch update (epoch 0 first)."""
-    grouped = rewards.view(-1, group_size)
-    truncated = [c.finish_reason == "length" for c in groups.completions]
+def step_metrics(batch, rewards: Tensor, group_size: int, updates: list[dict], times: dict, *, grad_norm: float,
+                 lr: float, skipped: float, sync_info: dict) -> dict:
+    """Everything one step logs. batch: grpo.groups.Batch; rewards: [B] the rewards advantages were computed
+    from (overlong penalty included); `updates` holds one dict per micro-batch update (epoch 0 first)."""
+    lengths = batch.lengths
+    truncated = [c.finish_reason == "length" for c in batch.completions]
     tokens = sum(u["tokens"] for u in updates)
     total_time = sum(times.values())
     metrics = {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-        "acc": float(groups.correct.mean()),
-        "flat_group_frac": float((grouped == grouped[:, :1]).all(dim=1).float().mean()),
-        "kept_group_frac": float(groups.loss_weight.view(-1, group_size)[:, 0].mean()),
-        "gen_rounds": float(groups.rounds),
+        "acc": float(batch.correct.mean()),
+        "flat_group_frac": float(flat_groups(rewards, group_size).float().mean()),
+        "kept_group_frac": float(batch.loss_weight.view(-1, group_size)[:, 0].mean()),
+        "gen_rounds": float(batch.rounds),
+        "shaped_token_frac": float(masked_mean((batch.token_shaping != 0).float(), batch.mask)),  # sentence reward on?
         "truncation_rate": sum(truncated) / len(truncated),
         "response_length_mean": float(lengths.mean()),
         "response_length_max": float(lengths.max()),
@@ -48,10 +54,11 @@ def step_metrics(groups, rewards: Tensor, lengths: Tensor, max_len: int, group_s
     metrics["ratio_max"] = max(u["ratio_max"] for u in updates)
     # On the first update of a rollout the ratio must be exactly 1 (old = current): a check on every run.
     metrics["ratio_first_update"] = updates[0]["ratio_mean"]
-    for key, values in groups.components.items():
+    for key, values in batch.components.items():
         metrics[f"reward/{key}"] = _nanmean(values)
-    if "format" in groups.components:
-        metrics["format_rate"] = _nanmean([float(v >= 1.0) for v in groups.components["format"] if not math.isnan(v)])
+    if "format" in batch.components:
+        metrics["format_rate"] = _nanmean([format_success({"format": v}) for v in batch.components["format"]
+                                           if not math.isnan(v)])
     for key, value in sync_info.items():
         metrics[key] = float(value)  # sync/seconds, sync/bytes, ...
     return metrics
@@ -72,3 +79,25 @@ def reduce_metrics(metrics: dict, dist) -> dict:
     out.update({k: float(v) for k, v in zip(mean_keys, means.tolist())})
     out.update({k: float(v) for k, v in zip(max_keys, maxes.tolist())})
     return out
+
+
+class NoSignalWatch:
+    """The warnings that catch silent no-learning (DESIGN.md): every group flat in a step, and truncation or
+    flat groups above their threshold for trainer.warn_after_steps steps in a row."""
+
+    def __init__(self, trainer, kl_coef: float):
+        self.thresholds = {"truncation_rate": trainer.warn_truncation, "flat_group_frac": trainer.warn_flat_groups}
+        self.after_steps, self.kl_coef = trainer.warn_after_steps, kl_coef
+        self.streaks = dict.fromkeys(self.thresholds, 0)
+
+    def update(self, metrics: dict, step: int) -> list[str]:
+        """The warnings of step `step` (1-based) given its reduced metrics."""
+        warnings = []
+        if metrics["flat_group_frac"] == 1.0 and self.kl_coef == 0:
+            warnings.append(f"step {step}: zero learning signal -- every group's rewards are identical")
+        for key, threshold in self.thresholds.items():
+            self.streaks[key] = self.streaks[key] + 1 if metrics[key] > threshold else 0
+            if self.streaks[key] >= self.after_steps:
+                warnings.append(f"{key} = {metrics[key]:.2f} > {threshold} for {self.streaks[key]} steps: little "
+                                f"or no learning signal (raise rollout.max_new_tokens / check the reward)")
+        return warnings

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+SCHEDULES = ("constant", "linear", "cosine")
+
 
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str = "constant",
               min_ratio: float = 0.0) -> float:
@@ -15,7 +17,7 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str =
     >>> round(lr_factor(3, warmup_steps=0, total_steps=7, schedule="cosine", min_ratio=0.1), 4)
     0.55
     """
-    if schedule not in ("constant", "linear", "cosine"):
+    if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; valid: constant, linear, cosine")
     if step < warmup_steps:
         return (step + 1) / (warmup_steps + 1)

@@ -1,10 +1,12 @@
-"""Score completions with the reward registry and turn sentence rewards into per-token shaping.
+"""Score completions with the reward registry: the one place a completion becomes a reward, a 0/1 correctness,
+a format success and per-token sentence shaping, for training and for held-out evaluation alike.
 
 A reward function that fails raises here with the row named: it never becomes a 0 that looks like a
 judgement (DESIGN.md, "no silent no-learning").
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -16,69 +18,85 @@ from grpo.alignment import sentence_shaping, token_char_spans, token_sentence_in
 CORRECTNESS_KEYS = ("acc", "correct", "answer")  # first component found is the 0/1 correctness
 
 
-@dataclass
-class Scores:
-    rewards: Tensor  # [B] float32, the outcome reward (score)
-    correct: Tensor  # [B] float32 0/1
-    token_shaping: Tensor | None  # [B, T] float32 sentence shaping, None when no reward gave sentences
-    components: dict[str, list[float]] = field(default_factory=dict)
-
-
 def correctness(result: dict, score: float, threshold: float) -> float:
+    """1.0 when the first of CORRECTNESS_KEYS in `result` (else the score) is at least `threshold`, else 0.0.
+
+    >>> correctness({"score": 0.1, "answer": 1.0}, 0.1, 0.5), correctness({"score": 0.7}, 0.7, 0.5)
+    (1.0, 1.0)
+    """
     for key in CORRECTNESS_KEYS:
         if key in result:
             return float(float(result[key]) >= threshold)
     return float(score >= threshold)
 
 
-def score_completions(
-    texts: Sequence[str],
-    completion_ids: Sequence[Sequence[int]],
-    rows: Sequence[dict],
-    compute_score: Callable,
-    decode_prefixes: Callable[[Sequence[int]], list[str]],
-    *,
-    sentence_coef: float = 1.0,
-    correct_threshold: float = 0.5,
-) -> Scores:
-    """texts, completion_ids, rows: B aligned entries (row b is the prompt row of completion b).
+def format_success(result: dict) -> float:
+    """The one definition of format success: 1.0 when the reward's `format` component is 1 (every block the
+    protocol asks for is there), 0.0 below, NaN when the reward has no format component (rates skip NaN).
 
-    decode_prefixes(ids) -> [decode(ids[:k]) for k in 0..len(ids)], used only for sentence rewards.
-    Returns Scores; token_shaping[b, t] = sentence_coef * r_sent of the sentence holding token t.
+    >>> format_success({"format": 1.0}), format_success({"format": 0.5}), format_success({"score": 1.0})
+    (1.0, 0.0, nan)
     """
-    if not (len(texts) == len(completion_ids) == len(rows)):
-        raise ValueError(f"texts ({len(texts)}), completion_ids ({len(completion_ids)}) and rows ({len(rows)}) differ")
-    rewards, correct, shaping_rows, components = [], [], [], {}
-    for b, (text, ids, row) in enumerate(zip(texts, completion_ids, rows)):
+    value = result.get("format")
+    return math.nan if value is None else float(float(value) >= 1.0)
+
+
+@dataclass
+class Scores:
+    """B scored completions."""
+    rewards: Tensor  # [B] float32, the outcome reward (score)
+    correct: Tensor  # [B] float32 0/1
+    token_shaping: Tensor  # [B, T] float32 sentence shaping (zeros without sentence rewards), T = longest completion
+    components: dict[str, list[float]] = field(default_factory=dict)  # each B floats, NaN where a reward lacks it
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """Everything scoring needs besides the completions: the registry's compute_score, the tokenizer's prefix
+    decoder (for sentence spans), the sentence coefficient lambda and the correctness threshold."""
+    compute_score: Callable
+    decode_prefixes: Callable[[Sequence[int]], list[str]]  # ids -> [decode(ids[:k]) for k in 0..len(ids)]
+    sentence_coef: float = 1.0
+    correct_threshold: float = 0.5
+
+    def result(self, row: dict, text: str, position: int = 0) -> dict:
+        """The reward function's result for one completion of `row`, always a dict with a float "score"."""
         ground_truth = row.get("reward_model", {}).get("ground_truth")
         try:
-            result = compute_score(row["data_source"], text, ground_truth, row.get("extra_info"))
+            result = self.compute_score(row["data_source"], text, ground_truth, row.get("extra_info"))
         except Exception as error:
-            index = row.get("extra_info", {}).get("index", b)
+            index = row.get("extra_info", {}).get("index", position)
             raise RuntimeError(f"reward {row.get('data_source')!r} failed on row index {index}: {error}") from error
-        if not isinstance(result, dict):
-            result = {"score": float(result)}
-        score = float(result["score"])
-        rewards.append(score)
-        correct.append(correctness(result, score, correct_threshold))
-        for key, value in result.items():
-            if key not in ("score", "sentences") and isinstance(value, (int, float, bool)):
-                components.setdefault(key, [float("nan")] * b).append(float(value))
-        for values in components.values():  # keep every component list aligned with b
-            if len(values) < b + 1:
-                values.append(float("nan"))
-        sentences = result.get("sentences")
-        if sentences:
-            spans = token_char_spans(decode_prefixes(ids))
-            index = token_sentence_index(spans, [(s, e) for s, e, _ in sentences])
-            shaping_rows.append(sentence_shaping(index, [r for _, _, r in sentences], sentence_coef))
-        else:
-            shaping_rows.append(torch.zeros(len(ids)))
-    token_shaping = None
-    if any(bool(row.abs().sum() > 0) for row in shaping_rows):  # all zero: plain outcome advantages
-        width = max(len(ids) for ids in completion_ids)
+        result = dict(result) if isinstance(result, dict) else {"score": float(result)}
+        result["score"] = float(result["score"])
+        return result
+
+    def score(self, texts: Sequence[str], completion_ids: Sequence[Sequence[int]], rows: Sequence[dict]) -> Scores:
+        """texts, completion_ids, rows: B aligned entries (row b is the prompt row of completion b).
+
+        token_shaping[b, t] = sentence_coef * r_sent of the sentence holding token t (0 outside sentences).
+        """
+        if not (len(texts) == len(completion_ids) == len(rows)):
+            raise ValueError(f"texts ({len(texts)}), completion_ids ({len(completion_ids)}) and rows ({len(rows)}) "
+                             f"differ")
+        width = max((len(ids) for ids in completion_ids), default=0)
         token_shaping = torch.zeros(len(texts), width)
-        for b, row in enumerate(shaping_rows):
-            token_shaping[b, : row.shape[0]] = row
-    return Scores(torch.tensor(rewards, dtype=torch.float32), torch.tensor(correct, dtype=torch.float32),
-                  token_shaping, components)
+        rewards, correct, components = [], [], {}
+        for b, (text, ids, row) in enumerate(zip(texts, completion_ids, rows)):
+            result = self.result(row, text, b)
+            rewards.append(result["score"])
+            correct.append(correctness(result, result["score"], self.correct_threshold))
+            for key, value in result.items():
+                if key not in ("score", "sentences") and isinstance(value, (int, float, bool)):
+                    components.setdefault(key, [math.nan] * b).append(float(value))
+            for values in components.values():  # keep every component list aligned with b
+                if len(values) < b + 1:
+                    values.append(math.nan)
+            if result.get("sentences"):
+                sentences = result["sentences"]
+                index = token_sentence_index(token_char_spans(self.decode_prefixes(ids)),
+                                             [(start, end) for start, end, _ in sentences])
+                token_shaping[b, : len(ids)] = sentence_shaping(index, [r for _, _, r in sentences],
+                                                                self.sentence_coef)
+        return Scores(torch.tensor(rewards, dtype=torch.float32), torch.tensor(correct, dtype=torch.float32),
+                      token_shaping, components)

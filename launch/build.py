@@ -1,62 +1,60 @@
-"""Turn a Config into the parts the loops receive: checked data, tokenizer, model (sharded under torchrun),
-reference model, optimizer, schedule, engine with its weight sync, and the run directory.
+"""Turn a Config into what the loops receive (grpo/parts.py): checked data, tokenizer, model (sharded under
+torchrun), KL reference, optimizer, schedule, engine with its weight sync, scorer, held-out evaluation, the run
+directory's log and the checkpointer that owns progress.
 
 Everything that can be checked without the model is checked first, so a bad recipe fails in seconds and
 writes nothing to the run directory.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 import yaml
 
-from grpo.groups import PromptSampler
-from grpo.runlog import RunLog, truncate_metrics_file
+from data.sampler import PromptSampler
+from grpo.config import Config
+from grpo.evaluate import evaluate, summarize
+from grpo.parts import Policy, RLParts, SFTParts
 from grpo.schedule import lr_factor
-from launch.config import Config, ConfigError, to_dict
+from grpo.scoring import Scorer
+from launch.checkpointing import Checkpointer
+from launch.config import ConfigError, to_dict
+from launch.runlog import RunLog, truncate_metrics_file
 
 
-@dataclass
-class Parts:
-    rows: list[dict]
-    prompt_ids: list[list[int]]
-    examples: list[tuple[list[int], list[int]]]  # SFT (prompt ids, target ids)
-    eval_rows: list[dict]
-    eval_prompt_ids: list[list[int]]
-    tokenizer: Any
-    pad_id: int
-    decode_prefixes: Callable
-    compute_score: Callable
-    model: torch.nn.Module
-    ref_model: torch.nn.Module | None
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    engine: Any
-    sync_weights: Callable[[], dict]
-    sampler: PromptSampler
-    start_step: int
+class HeldOut:
+    """The run's held-out evaluation (grpo.evaluate.evaluate), remembered by step, so that the loops' curve points
+    (trainer.eval_every) and the before/after table are one evaluation, never two."""
+
+    def __init__(self, evaluate_rows: Callable[[], dict]):
+        self.evaluate_rows, self.results = evaluate_rows, {}
+
+    def result(self, step: int) -> dict:
+        """The whole result after step `step` (per-prompt values and records included)."""
+        if step not in self.results:
+            self.results[step] = self.evaluate_rows()
+        return self.results[step]
+
+    def __call__(self, step: int) -> dict:
+        """What the loops log: flat eval/<metric> numbers (grpo.evaluate.summarize)."""
+        return summarize(self.result(step))
+
+
+@dataclass(frozen=True)
+class Run:
+    """A built run: the loop's parts and what launch.train needs around the loop."""
+    parts: RLParts | SFTParts
     run_dir: Path
     log: RunLog
-    save: Callable[[int], None]
-    loss_scale_hook: Callable[[int], float]
-    completed_steps: int = 0  # the loops advance it; the final checkpoint is written here
-    stop_requested: Callable[[], bool] = lambda: False  # the loops ask once per step (launch.train: Ctrl-C)
-    reference_from_adapters: bool = False  # LoRA + KL: the reference is the policy with adapters disabled
-
-    def finish_step(self, done: int, trainer) -> bool:
-        """Called by both loops after step `done` (1-based; trainer: cfg.trainer): records it, and returns True
-        when a stop was requested (the loop then breaks and writes its final checkpoint); otherwise writes the
-        periodic checkpoint when one is due (the last step's is the loop's final one)."""
-        self.completed_steps = done
-        if self.stop_requested():
-            return True
-        if trainer.save_every and done % trainer.save_every == 0 and done < trainer.steps:
-            self.save(done)
-        return False
+    checkpoints: Checkpointer
+    held_out: HeldOut | None  # None without held-out rows
+    engine: object | None
 
 
 def _read_rows(files: list[str], key: str) -> list[dict]:
@@ -75,8 +73,10 @@ def _read_rows(files: list[str], key: str) -> list[dict]:
 def check_config(cfg: Config, dist) -> tuple[list[dict], list[dict]]:
     """Checks that need no model: files, reward names, batch arithmetic. Returns (train rows, eval rows)."""
     import rewards
+    from launch.triples import check_reward_config
     for data_source, dotted in cfg.reward.functions.items():
         rewards.register(data_source, rewards.get_reward(dotted), overwrite=True)
+    check_reward_config(cfg.reward)
     if cfg.reward.corpus_index is not None:
         if not Path(cfg.reward.corpus_index).is_dir():
             raise ConfigError(f"reward.corpus_index: index directory not found: {cfg.reward.corpus_index} (build it "
@@ -133,46 +133,38 @@ def _tokenize_prompts(cfg: Config, tokenizer, rows: list[dict], key: str) -> lis
     return prompt_ids
 
 
-def _loss_scale_hook() -> Callable[[int], float]:
-    """Fault injection for tests: NANOGRPO_TEST_NONFINITE_STEPS="2,3" makes those steps' loss infinite."""
-    steps = {int(s) for s in os.environ.get("NANOGRPO_TEST_NONFINITE_STEPS", "").split(",") if s.strip()}
-    return lambda step: float("inf") if step in steps else 1.0
-
-
-def build(cfg: Config, dist, *, resume: bool = False) -> Parts:
-    from models import load_model, load_tokenizer, resolve_model_dir
-    from models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-
-    rows, eval_rows = check_config(cfg, dist)
-    run_dir = Path(cfg.trainer.out_dir) / cfg.trainer.run_name
-    latest = latest_checkpoint(run_dir / "checkpoints") if resume else None
-    if resume and latest is None:
-        raise ConfigError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
-    # A resumed run rebuilds the model from where the run started; load_checkpoint (which verifies every file
-    # first) then restores the weights, so a damaged checkpoint is refused before anything is loaded.
-    source = cfg.init_from or cfg.model.name_or_path
-    key = "init_from" if cfg.init_from else "model.name_or_path"
-    try:
-        resolve_model_dir(source)  # a missing path or a directory without weights fails here, by name
-        tokenizer = load_tokenizer(source, trust_remote_code=cfg.model.trust_remote_code)
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"{key}: {error}") from None
-    prompt_ids = _tokenize_prompts(cfg, tokenizer, rows, "data.train_files")
-    eval_prompt_ids = _tokenize_prompts(cfg, tokenizer, eval_rows, "data.eval_files")
+def _sft_examples(cfg: Config, tokenizer, rows: list[dict], prompt_ids: list[list[int]]) -> list[tuple]:
+    """(prompt ids, target ids + eos) per row; an example longer than trainer.sft_max_len fails by row."""
     examples = []
-    if cfg.stage == "sft":
-        eos = tokenizer.eos_token_id
-        for row, ids in zip(rows, prompt_ids):
-            target = tokenizer.encode(row["extra_info"]["target"], add_special_tokens=False) + [eos]
-            if len(ids) + len(target) > cfg.trainer.sft_max_len:
-                raise ConfigError(f"row index {row['extra_info'].get('index')}: prompt + target is "
-                                  f"{len(ids) + len(target)} tokens > trainer.sft_max_len={cfg.trainer.sft_max_len}")
-            examples.append((ids, target))
+    for row, ids in zip(rows, prompt_ids):
+        target = tokenizer.encode(row["extra_info"]["target"], add_special_tokens=False) + [tokenizer.eos_token_id]
+        if len(ids) + len(target) > cfg.trainer.sft_max_len:
+            raise ConfigError(f"row index {row['extra_info'].get('index')}: prompt + target is "
+                              f"{len(ids) + len(target)} tokens > trainer.sft_max_len={cfg.trainer.sft_max_len}")
+        examples.append((ids, target))
+    return examples
 
-    torch.manual_seed(cfg.seed)
-    dtype = getattr(torch, cfg.model.dtype)
-    load = dict(dtype=dtype, device=dist.device, attn_implementation=cfg.model.attn_implementation,
-                trust_remote_code=cfg.model.trust_remote_code)
+
+@dataclass(frozen=True)
+class Reference:
+    """The KL reference: logprobs of a padded batch under the frozen model the run started from, or, with
+    LoRA, under the policy with its adapters disabled."""
+    model: torch.nn.Module
+    adapters_off: bool
+    temperature: float
+    chunk_size: int
+
+    def __call__(self, batch: dict) -> torch.Tensor:
+        from models.logprobs import completion_logprobs
+        from models.lora import disabled_adapters
+        with disabled_adapters(self.model) if self.adapters_off else contextlib.nullcontext():
+            return completion_logprobs(self.model, batch, temperature=self.temperature, chunk_size=self.chunk_size)[0]
+
+
+def _policy(cfg: Config, dist, source: str | None, key: str, load: dict):
+    """(Policy, reference-logprob function or None): the model (LoRA adapters applied, sharded under torchrun),
+    fused AdamW over its trainable weights, the warmup/decay schedule, and the frozen KL reference."""
+    from models import load_model
     try:
         model = load_model(source, gradient_checkpointing=cfg.model.gradient_checkpointing, **load)
     except (OSError, ValueError) as error:
@@ -186,16 +178,18 @@ def build(cfg: Config, dist, *, resume: bool = False) -> Parts:
                        target_modules=lora.target_modules, seed=cfg.seed)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-    ref_model = None
-    if cfg.stage == "rl" and cfg.algorithm.kl_coef > 0 and not lora.enabled:
-        # The reference is the policy the run started from (init_from / the base model), frozen.
-        ref_model = load_model(cfg.init_from or cfg.model.name_or_path, **load).eval().requires_grad_(False)
+    reference = None
+    if cfg.stage == "rl" and cfg.algorithm.kl_coef > 0:
+        # LoRA: the policy with its adapters off (no second model); else the frozen starting model.
+        reference_model = model if lora.enabled else load_model(source, **load).eval().requires_grad_(False)
+        reference = Reference(reference_model, adapters_off=lora.enabled, temperature=cfg.rollout.temperature,
+                              chunk_size=cfg.model.logprob_chunk_size)
     if dist.world_size > 1:
         from models.fsdp import shard
         param_dtype = getattr(torch, cfg.model.param_dtype)
         shard(model, dist.mesh, param_dtype=param_dtype)
-        if ref_model is not None:
-            shard(ref_model, dist.mesh, param_dtype=param_dtype)
+        if reference is not None and not lora.enabled:
+            shard(reference.model, dist.mesh, param_dtype=param_dtype)
     # fused: one kernel over all parameters (CPU and CUDA, DTensor shards too); measured 4x faster than the
     # per-parameter loop on CPU (bench/README.md).
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr,
@@ -203,60 +197,76 @@ def build(cfg: Config, dist, *, resume: bool = False) -> Parts:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
         step, warmup_steps=cfg.optim.warmup_steps, total_steps=cfg.trainer.steps, schedule=cfg.optim.schedule,
         min_ratio=cfg.optim.min_lr_ratio))
+    return Policy(model, optimizer, scheduler), reference
+
+
+def build(cfg: Config, dist, *, resume: bool = False, stop_requested: Callable[[], bool] = lambda: False) -> Run:
+    """Everything a run needs, checked in order of cost. stop_requested: asked once per step (Ctrl-C)."""
+    from models import load_tokenizer, resolve_model_dir
+    from models.checkpoint import latest_checkpoint
+
+    rows, eval_rows = check_config(cfg, dist)
+    run_dir = Path(cfg.trainer.out_dir) / cfg.trainer.run_name
+    latest = latest_checkpoint(run_dir / "checkpoints") if resume else None
+    if resume and latest is None:
+        raise ConfigError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
+    # A resumed run rebuilds the model from where the run started; the checkpointer (which verifies every file
+    # first) then restores the weights, so a damaged checkpoint is refused before anything is loaded.
+    source = cfg.init_from or cfg.model.name_or_path
+    key = "init_from" if cfg.init_from else "model.name_or_path"
+    try:
+        resolve_model_dir(source)  # a missing path or a directory without weights fails here, by name
+        tokenizer = load_tokenizer(source, trust_remote_code=cfg.model.trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{key}: {error}") from None
+    prompt_ids = _tokenize_prompts(cfg, tokenizer, rows, "data.train_files")
+    eval_prompt_ids = _tokenize_prompts(cfg, tokenizer, eval_rows, "data.eval_files")
+    examples = _sft_examples(cfg, tokenizer, rows, prompt_ids) if cfg.stage == "sft" else []
+
+    torch.manual_seed(cfg.seed)
+    load = dict(dtype=getattr(torch, cfg.model.dtype), device=dist.device,
+                attn_implementation=cfg.model.attn_implementation, trust_remote_code=cfg.model.trust_remote_code)
+    policy, reference = _policy(cfg, dist, source, key, load)
     sampler = PromptSampler(len(rows), seed=cfg.seed, rank=dist.rank, world_size=dist.world_size,
                             shuffle=cfg.data.shuffle)
-    start_step = 0
+    checkpoints = Checkpointer(run_dir, policy, tokenizer, sampler, dist, lora=cfg.model.lora, steps=cfg.trainer.steps,
+                               save_every=cfg.trainer.save_every, stop_requested=stop_requested)
     if latest is not None:
-        if lora.enabled:
-            from models.lora import load_lora_checkpoint as load_checkpoint  # adapters + optimizer
         try:
-            start_step, extra = load_checkpoint(latest, model, optimizer)
+            checkpoints.resume(latest)
         except (OSError, ValueError) as error:
             raise ConfigError(f"--resume from {latest}: {error}") from None
-        scheduler.load_state_dict(extra["scheduler"])
-        sampler.position = extra["sampler_position"][dist.rank]
 
     engine, sync_weights = None, (lambda: {})
     if cfg.stage == "rl" or eval_rows:
-        engine, sync_weights = _build_engine(cfg, dist, model, tokenizer, source, load)
+        engine, sync_weights = _build_engine(cfg, dist, policy.model, tokenizer, source, load)
+    from launch.triples import install_factqa_reward
+    install_factqa_reward(cfg.reward, device=str(dist.device))  # a non-default factqa_corpus reward (model extractor)
 
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         if latest is not None:
-            truncate_metrics_file(run_dir, start_step)
-    log = RunLog(run_dir, total_steps=cfg.trainer.steps, start_step=start_step, enabled=dist.is_main,
+            truncate_metrics_file(run_dir, checkpoints.start_step)
+    log = RunLog(run_dir, total_steps=cfg.trainer.steps, start_step=checkpoints.start_step, enabled=dist.is_main,
                  description=cfg.stage)
 
-    def save(step: int) -> None:
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
-        bad = dist.all_reduce_max(torch.tensor(float(not all(bool(torch.isfinite(p).all()) for p in local)),
-                                               device=dist.device))
-        if bool(bad > 0):
-            raise RuntimeError(f"refusing to write checkpoint step_{step}: the model has non-finite weights")
-        # Ranks consume prompts at different rates under dynamic sampling: keep every rank's position.
-        one_hot = torch.zeros(dist.world_size, dtype=torch.float64, device=dist.device)
-        one_hot[dist.rank] = sampler.position
-        positions = [int(p) for p in dist.all_reduce_sum(one_hot).tolist()]
-        extra = {"scheduler": scheduler.state_dict(), "sampler_position": positions}
-        if lora.enabled:
-            from models.lora import save_lora_checkpoint
-            save_lora_checkpoint(run_dir / "checkpoints" / f"step_{step}", model, tokenizer, optimizer, step,
-                                 extra=extra, merged_export=lora.merged_export)
-        else:
-            save_checkpoint(run_dir / "checkpoints" / f"step_{step}", model, tokenizer, optimizer, step, extra=extra)
-
     import rewards
-    return Parts(rows=rows, prompt_ids=prompt_ids, examples=examples, eval_rows=eval_rows,
-                 eval_prompt_ids=eval_prompt_ids, tokenizer=tokenizer,
-                 pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-                 decode_prefixes=lambda ids: tokenizer.batch_decode([ids[:k] for k in range(len(ids) + 1)],
-                                                                    skip_special_tokens=True),
-                 compute_score=rewards.compute_score, model=model, ref_model=ref_model, optimizer=optimizer,
-                 scheduler=scheduler, engine=engine, sync_weights=sync_weights, sampler=sampler,
-                 start_step=start_step, run_dir=run_dir, log=log, save=save, loss_scale_hook=_loss_scale_hook(),
-                 completed_steps=start_step,
-                 reference_from_adapters=lora.enabled and cfg.stage == "rl" and cfg.algorithm.kl_coef > 0)
+    from models.chat import prefix_decoder
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    scorer = Scorer(rewards.compute_score, prefix_decoder(tokenizer), sentence_coef=cfg.reward.sentence_coef,
+                    correct_threshold=cfg.reward.correct_threshold)
+    held_out = None
+    if eval_rows:
+        held_out = HeldOut(functools.partial(
+            evaluate, engine, scorer, eval_rows, eval_prompt_ids, dist,
+            max_new_tokens=cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens))
+    if cfg.stage == "sft":
+        parts = SFTParts(policy, examples, sampler, pad_id, log, checkpoints, evaluate=held_out)
+    else:
+        parts = RLParts(policy, engine, sync_weights, reference, rows, prompt_ids, sampler, scorer, pad_id, log,
+                        checkpoints, evaluate=held_out)
+    return Run(parts, run_dir, log, checkpoints, held_out, engine)
 
 
 def _build_engine(cfg: Config, dist, model, tokenizer, source, load):
@@ -270,7 +280,7 @@ def _build_engine(cfg: Config, dist, model, tokenizer, source, load):
                             kv_cache_memory_bytes=cfg.rollout.vllm_kv_cache_mb << 20,
                             gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
                             tensor_parallel_size=cfg.rollout.tensor_parallel_size)
-        engine_sync = lambda: sync_weights(model, engine, bucket_bytes=bucket)
+        engine_sync = lambda: sync_weights(model, engine, bucket_bytes=bucket)  # noqa: E731
         engine_sync()  # the policy may hold resumed/initial weights the directory does not
         return engine, engine_sync
     from rollout.hf_engine import HFEngine
@@ -279,12 +289,9 @@ def _build_engine(cfg: Config, dist, model, tokenizer, source, load):
         return HFEngine(model, tokenizer, shared=True, num_threads=cfg.rollout.num_threads), (lambda: {})
     # Under FSDP every forward is a collective, and ranks stop generating at different times: the engine
     # needs its own full copy, refreshed from the shards after every update.
-    engine = HFEngine(load_model_copy(source, load), tokenizer, shared=False, num_threads=cfg.rollout.num_threads)
-    engine_sync = lambda: sync_weights(model, engine, bucket_bytes=bucket)
+    from models import load_model
+    engine = HFEngine(load_model(source, **load).eval().requires_grad_(False), tokenizer, shared=False,
+                      num_threads=cfg.rollout.num_threads)
+    engine_sync = lambda: sync_weights(model, engine, bucket_bytes=bucket)  # noqa: E731
     engine_sync()
     return engine, engine_sync
-
-
-def load_model_copy(source, load):
-    from models import load_model
-    return load_model(source, **load).eval().requires_grad_(False)

@@ -1,12 +1,19 @@
-"""`make demo`: SFT then GRPO on the embedded SmolLM2-135M-Instruct, on a task the project generates itself.
+"""`make demo`: what RL adds, on the embedded SmolLM2-135M-Instruct and a task the project generates itself.
 
-    python -m launch.demo [--out runs/demo] [--train-rows 400] [--heldout-rows 16]
+    python -m launch.demo [--out runs/demo] [--heldout-rows 96] [--heldout-seed 1] [key.sub=value ...]
 
-1. writes the generated evidence task (data.synthetic: claims about invented entities, numbered context
-   sentences, SUPPORTS / REFUTES / NOT_ENOUGH_INFO, gold evidence known) as train and held-out rows;
-2. SFT cold start (launch/configs/demo_sft.yaml), scoring the held-out rows before and after;
-3. GRPO from the SFT checkpoint (launch/configs/demo.yaml) with the same SciFact evidence reward;
-4. prints the run directories and a before/after table (format success, reward, accuracy, held out).
+The generated evidence task (data.synthetic: claims about invented companies, numbered context sentences,
+SUPPORTS / REFUTES / NOT_ENOUGH_INFO, gold evidence known) is scored with the SciFact evidence reward
+(`scifact_evidence`), and three arms run in turn, as in the SciFact paper's argument:
+1. GRPO from the base model (launch/configs/demo_base.yaml): the base model never writes the answer format,
+   every completion scores 0, every group is flat -- the stall, with its "zero learning signal" warning;
+2. SFT cold start (demo_sft.yaml): teaches the format;
+3. GRPO from the SFT checkpoint (demo.yaml): RL improves on SFT.
+The held-out rows come from a generator seed used for nothing else (training rows: seed 0). Every arm scores
+them greedily before, during (trainer.eval_every) and after training; the table gives each mean its 95%
+interval and each arm its paired difference against the checkpoint it started from (same prompts).
+Writes runs/demo/summary.md, summary.json and curves.png (held-out reward and label accuracy over steps beside
+the training reward, every arm on one figure).
 """
 from __future__ import annotations
 
@@ -16,25 +23,70 @@ import sys
 import time
 from pathlib import Path
 
+from data.jsonio import iter_jsonl
 from launch.config import load_config
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
+METRICS = (("reward", "reward"), ("format", "format"), ("acc", "label accuracy"), ("evidence", "evidence"))
 
 
-def table(results: list[tuple[str, dict]]) -> str:
-    lines = ["| held-out prompts | format success | reward | accuracy |", "|---|---|---|---|"]
-    for name, r in results:
-        lines.append(f"| {name} | {r['eval_format_rate']:.3f} | {r['eval_reward']:.3f} | {r['eval_acc']:.3f} |")
+def _interval(values: list) -> str:
+    mean, low, high = values
+    return f"{mean:.3f} [{low:.3f}, {high:.3f}]"
+
+
+def _difference(before: dict, after: dict, metric: str) -> str:
+    from grpo.stats import paired_difference
+    pairs = [(a, b) for a, b in zip(before["values"][metric], after["values"][metric])
+             if a is not None and b is not None]
+    mean, low, high = paired_difference([a for a, _ in pairs], [b for _, b in pairs])
+    return f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]"
+
+
+def table(rows: list[tuple[str, dict, str | None, dict | None]]) -> str:
+    """rows: (name, held-out result, the name of the row it started from, that row's result or None)."""
+    metrics = [(key, label) for key, label in METRICS if all(key in result["means"] for _, result, _, _ in rows)]
+    count = rows[0][1]["count"]
+    lines = [f"Held-out prompts: {count}, greedy. Mean [95% interval]; change = paired difference against the "
+             f"row it started from, same prompts [95% interval].", "",
+             "| model | " + " | ".join(label for _, label in metrics) + " | change in reward | change in accuracy |",
+             "|---|" + "---|" * (len(metrics) + 2)]
+    for name, result, start, start_result in rows:
+        cells = [_interval(result["means"][key]) for key, _ in metrics]
+        changes = ["-", "-"] if start_result is None else [
+            f"{_difference(start_result, result, key)} vs {start}" for key in ("reward", "acc")]
+        lines.append(f"| {name} | " + " | ".join(cells + changes) + " |")
     return "\n".join(lines)
+
+
+def curves(arms: list[tuple[str, Path, int, dict]], path: Path) -> None:
+    """One figure: held-out reward and label accuracy (with 95% bands) and the training reward over steps.
+    arms: (name, run directory, step offset on the shared axis, held-out result at the arm's start)."""
+    from launch.plot import training_curves
+    runs = {}
+    for name, run_dir, offset, start in arms:
+        records = [record for _, record in iter_jsonl(run_dir / "metrics.jsonl")]
+        if not any(record["step"] == 0 for record in records):  # the arm started from the previous arm's end
+            first = {"step": 0}
+            for key, (mean, low, high) in start["means"].items():
+                first.update({f"eval/{key}": mean, f"eval/{key}_low": low, f"eval/{key}_high": high})
+            records.insert(0, first)
+        runs[name] = [{**record, "step": record["step"] + offset} for record in records]
+    training_curves(runs, path, curves=(("eval/reward", "held-out reward (greedy)"),
+                                        ("eval/acc", "held-out label accuracy (greedy)"),
+                                        ("reward_mean", "training reward (sampled)"), ("loss", "SFT loss")))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="runs/demo", help="demo directory (data/, sft/, grpo/)")
-    parser.add_argument("--train-rows", type=int, default=400)
-    parser.add_argument("--heldout-rows", type=int, default=16)
-    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides applied to both stages")
+    parser.add_argument("--out", default="runs/demo", help="demo directory (data/, base_grpo/, sft/, grpo/)")
+    parser.add_argument("--train-rows", type=int, default=800)
+    parser.add_argument("--heldout-rows", type=int, default=96)
+    parser.add_argument("--heldout-seed", type=int, default=1, help="generator seed of the held-out rows (not 0)")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides applied to every arm")
     args = parser.parse_args(argv)
+    if args.heldout_seed == 0:
+        parser.error("--heldout-seed 0 is the training rows' seed: held-out rows need a seed of their own")
 
     from data.rows import write_rows
     from data.synthetic import generate_rows
@@ -44,33 +96,44 @@ def main(argv=None) -> int:
     out = Path(args.out)
     train_file, heldout_file = out / "data" / "train.jsonl", out / "data" / "heldout.jsonl"
     write_rows(generate_rows(args.train_rows, seed=0, split="train"), train_file)
-    write_rows(generate_rows(args.heldout_rows, seed=1, split="heldout"), heldout_file)
+    write_rows(generate_rows(args.heldout_rows, seed=args.heldout_seed, split="heldout"), heldout_file)
     common = [f"data.train_files=['{train_file}']", f"data.eval_files=['{heldout_file}']",
-              f"trainer.out_dir={out.parent}", *args.overrides]
+              f"trainer.out_dir={out.parent}"]
     dist = init_distributed()
-    started = time.perf_counter()
+    started, results = time.perf_counter(), {}
 
-    sft_cfg = load_config(CONFIGS / "demo_sft.yaml", common + [f"trainer.run_name={out.name}/sft"])
-    sft = run(sft_cfg, dist)
-    if "interrupted" in sft:
-        print(f"interrupted: SFT checkpoint under {sft['run_dir']}/checkpoints", file=sys.stderr)
-        return 130
-    rl_cfg = load_config(CONFIGS / "demo.yaml", common + [
-        f"trainer.run_name={out.name}/grpo", f"init_from={out / 'sft' / 'checkpoints' / f'step_{sft_cfg.trainer.steps}'}",
-        "trainer.eval_before=false"])
-    rl = run(rl_cfg, dist)
-    if "interrupted" in rl:
-        print(f"interrupted: GRPO checkpoint under {rl['run_dir']}/checkpoints", file=sys.stderr)
-        return 130
+    def arm(name: str, recipe: str, *extra: str) -> tuple:
+        cfg = load_config(CONFIGS / recipe, common + [f"trainer.run_name={out.name}/{name}", *extra,
+                                                      *args.overrides])
+        summary = run(cfg, dist)
+        if "interrupted" in summary:
+            print(f"interrupted: {name} checkpoint under {summary['run_dir']}/checkpoints", file=sys.stderr)
+            raise SystemExit(130)
+        results[name] = summary
+        return cfg, summary
+
+    sft_cfg, sft = arm("sft", "demo_sft.yaml")  # scores the base model before its first step
+    base_cfg, base_grpo = arm("base_grpo", "demo_base.yaml", "trainer.eval_before=false")
+    sft_checkpoint = out / "sft" / "checkpoints" / f"step_{sft_cfg.trainer.steps}"
+    rl_cfg, rl = arm("grpo", "demo.yaml", f"init_from={sft_checkpoint}", "trainer.eval_before=false")
     minutes = (time.perf_counter() - started) / 60
 
-    results = [("base model", sft["before"]), (f"after SFT ({sft_cfg.trainer.steps} steps)", sft["after"]),
-               (f"after SFT + GRPO ({rl_cfg.trainer.steps} steps)", rl["after"])]
-    report = table(results)
+    base = sft["before"]
+    rows = [("base model", base, None, None),
+            (f"GRPO from base ({base_cfg.trainer.steps} steps)", base_grpo["after"], "base", base),
+            (f"SFT ({sft_cfg.trainer.steps} steps)", sft["after"], "base", base),
+            (f"SFT + GRPO ({rl_cfg.trainer.steps} steps)", rl["after"], "SFT", sft["after"])]
+    flat = [record.get("flat_group_frac") for _, record in iter_jsonl(Path(base_grpo["run_dir"]) / "metrics.jsonl")
+            if "flat_group_frac" in record]
+    report = table(rows) + (f"\n\nGRPO from the base model: flat-group fraction {sum(flat) / len(flat):.2f} over "
+                            f"its {len(flat)} steps (1.00: every group's rewards equal, no gradient).")
+    curves([("GRPO from base", Path(base_grpo["run_dir"]), 0, base), ("SFT", Path(sft["run_dir"]), 0, base),
+            ("SFT then GRPO", Path(rl["run_dir"]), sft_cfg.trainer.steps, sft["after"])], out / "curves.png")
     (out / "summary.md").write_text(report + "\n")
-    (out / "summary.json").write_text(json.dumps(dict(results), indent=1))
-    print(f"\nRun directories: {sft['run_dir']} (SFT), {rl['run_dir']} (GRPO); training and evaluation took "
-          f"{minutes:.1f} min\n\n{report}\n")
+    (out / "summary.json").write_text(json.dumps({name: {k: s[k] for k in ("run_dir", "before", "after")}
+                                                  for name, s in results.items()}, indent=1))
+    print(f"\nTraining and evaluation took {minutes:.1f} min. Runs: {', '.join(s['run_dir'] for s in results.values())}"
+          f"\n\n{report}\n\nCurves: {out / 'curves.png'}\n")
     return 0
 
 

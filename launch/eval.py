@@ -22,6 +22,8 @@ from typing import Callable
 
 from data.jsonio import atomic_write_text
 from data.metrics import FACTQA, score_example, summarize
+from grpo.evaluate import greedy_completions
+from grpo.scoring import Scorer
 
 DEFAULT_BATCH_SIZE = 16
 
@@ -94,26 +96,12 @@ def reward_sources(records: list[dict]) -> set[str]:
     return available
 
 
-def generate(engine, prompt_ids: list[list[int]], *, max_new_tokens: int, batch_size: int) -> list:
-    """Greedy completions in prompt order; batches hold prompts of similar length (less left padding)."""
-    from tqdm import tqdm
-
-    order = sorted(range(len(prompt_ids)), key=lambda i: -len(prompt_ids[i]))
-    completions: list = [None] * len(prompt_ids)
-    for start in tqdm(range(0, len(order), batch_size), desc="eval", file=sys.stderr, disable=None):
-        chunk = order[start:start + batch_size]
-        outputs = engine.generate([prompt_ids[i] for i in chunk], n=1, max_new_tokens=max_new_tokens,
-                                  temperature=0.0, top_p=1.0, top_k=0, stop=[], seed=0)
-        for i, completion in zip(chunk, outputs):
-            completions[i] = completion
-    return completions
-
-
 def evaluate_records(engine, tokenizer, records: list[dict], *, max_new_tokens: int, batch_size: int,
                      relaxed: bool = False) -> tuple[list[dict], dict]:
     """(predictions, {data_source: metrics}): each record completed greedily, rewarded, and scored."""
     import rewards
     from models import render_prompt
+    from models.chat import prefix_decoder
 
     prompt_ids = [render_prompt(tokenizer, record["messages"]) for record in records]
     context = getattr(engine, "max_context", None) or getattr(engine, "max_model_len", None)
@@ -122,14 +110,15 @@ def evaluate_records(engine, tokenizer, records: list[dict], *, max_new_tokens: 
             raise ValueError(f"{record['file']} row {record['row']}: the prompt has {len(ids)} tokens, the model's "
                              f"context holds {context}")
     with_reward = reward_sources(records)
-    completions = generate(engine, prompt_ids, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    completions = greedy_completions(engine, prompt_ids, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    scorer = Scorer(rewards.compute_score, decode_prefixes=prefix_decoder(tokenizer))
     predictions = []
     for record, ids, completion in zip(records, prompt_ids, completions):
         reward = None
         if record["data_source"] in with_reward:
-            result = rewards.compute_score(record["data_source"], completion.text, record["ground_truth"],
-                                           record["extra_info"])
-            reward = float(result["score"] if isinstance(result, dict) else result)
+            row = {"data_source": record["data_source"], "reward_model": {"ground_truth": record["ground_truth"]},
+                   "extra_info": record["extra_info"]}
+            reward = scorer.result(row, completion.text, record["row"])["score"]
         prediction = {key: record[key] for key in ("file", "row", "index", "data_source")}
         prediction.update(prompt=record["messages"][-1]["content"], prompt_tokens=len(ids), completion=completion.text,
                           completion_tokens=len(completion.completion_ids), finish_reason=completion.finish_reason,

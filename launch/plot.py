@@ -20,7 +20,8 @@ from data.jsonio import iter_jsonl
 from launch.eval import exit_2_on_bad_input, load_evaluation
 
 # (metrics.jsonl key, panel title), drawn when any run logged the key. SFT runs log only "loss".
-CURVES = (("reward_mean", "reward"), ("acc", "accuracy"), ("format_rate", "format success"),
+CURVES = (("eval/reward", "held-out reward (greedy)"), ("eval/acc", "held-out label accuracy (greedy)"),
+          ("reward_mean", "training reward"), ("acc", "accuracy"), ("format_rate", "format success"),
           ("response_length_mean", "response length (tokens)"), ("kl", "KL"), ("entropy", "entropy"),
           ("loss", "SFT loss"))
 # (metrics key, bar label) per data source; a source not listed shows its reward_mean.
@@ -28,7 +29,7 @@ HEADLINE = {
     "scifact_evidence": (("answer_accuracy", "answer accuracy"), ("evidence_f1", "evidence F1")),
     "factqa_corpus": (("correct_rate", "correct"), ("f1", "F1")),
     "verifier": (("accuracy", "accuracy"),),
-    "held-out (trainer)": (("eval_acc", "accuracy"), ("eval_format_rate", "format success")),
+    "held-out (trainer)": (("acc", "accuracy"), ("format", "format success")),
 }
 RATE_SOURCES = set(HEADLINE)  # every headline metric above is a rate in [0, 1]
 
@@ -75,8 +76,10 @@ def read_evaluations(directory: Path, name: str) -> dict[str, dict[str, dict]]:
         if not isinstance(held_out, dict):
             raise ValueError(f"{path}: expected an object with 'before' and 'after'")
         for moment in ("before", "after"):
-            if isinstance(held_out.get(moment), dict) and held_out[moment]:
-                evaluations[f"{name} {moment}"] = {"held-out (trainer)": held_out[moment]}
+            means = held_out.get(moment, {}).get("means") if isinstance(held_out.get(moment), dict) else None
+            if isinstance(means, dict) and means:  # {metric: [mean, low, high]} (launch.train)
+                evaluations[f"{name} {moment}"] = {"held-out (trainer)": {
+                    metric: _number(interval[0]) for metric, interval in means.items() if isinstance(interval, list)}}
     return evaluations
 
 
@@ -90,12 +93,13 @@ def _grid(figure_class, panels: int, width: float, height: float):
     return figure, axes
 
 
-def training_curves(runs: dict[str, list[dict]], path: Path) -> list[str]:
-    """One PNG, a panel per CURVES key that any run logged, a line per run; returns the keys drawn."""
+def training_curves(runs: dict[str, list[dict]], path: Path, curves=CURVES) -> list[str]:
+    """One PNG, a panel per `curves` key that any run logged, a line per run (with its 95% band where the run
+    logged KEY_low / KEY_high, as held-out scores are); returns the keys drawn."""
     from matplotlib.figure import Figure
 
     logged = {key for records in runs.values() for record in records for key in record}
-    keys = [(key, title) for key, title in CURVES if key in logged]
+    keys = [(key, title) for key, title in curves if key in logged]
     if not keys:
         return []
     figure, axes = _grid(Figure, len(keys), 4.5, 3.2)
@@ -104,7 +108,13 @@ def training_curves(runs: dict[str, list[dict]], path: Path) -> list[str]:
             points = [(record["step"], _number(record[key])) for record in records if key in record]
             points = [(step, value) for step, value in points if math.isfinite(value)]
             if points:
-                axis.plot(*zip(*points), marker="." if len(points) < 30 else None, label=name)
+                line, = axis.plot(*zip(*points), marker="." if len(points) < 30 else None, label=name)
+                band = [(r["step"], _number(r[f"{key}_low"]), _number(r[f"{key}_high"])) for r in records
+                        if f"{key}_low" in r and f"{key}_high" in r]
+                band = [b for b in band if math.isfinite(b[1]) and math.isfinite(b[2])]
+                if band:
+                    steps, lows, highs = zip(*band)
+                    axis.fill_between(steps, lows, highs, color=line.get_color(), alpha=0.15, linewidth=0)
         axis.set_title(title)
         axis.set_xlabel("step")
         axis.grid(alpha=0.3)

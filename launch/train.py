@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import sys
 import threading
@@ -19,6 +20,7 @@ from contextlib import contextmanager
 
 import yaml
 
+from grpo.config import Config
 from launch.config import ConfigError, load_config, to_dict
 
 
@@ -32,7 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 @contextmanager
-def interrupt_requests(log):
+def interrupt_requests(announce: bool = True):
     """Ctrl-C (SIGINT) asks the loop to stop at the end of the current step; yields `requested() -> bool`.
 
     The step is finished rather than cut, so the checkpoint then written is one an uninterrupted run would
@@ -50,7 +52,9 @@ def interrupt_requests(log):
             raise KeyboardInterrupt
         if not first:
             first.append(time.monotonic())
-            log.warn("interrupt: finishing this step, then writing a checkpoint (Ctrl-C again to abort)")
+            if announce:
+                print("WARNING: interrupt: finishing this step, then writing a checkpoint (Ctrl-C again to abort)",
+                      file=sys.stderr, flush=True)
 
     previous = signal.signal(signal.SIGINT, handler)
     try:
@@ -59,44 +63,43 @@ def interrupt_requests(log):
         signal.signal(signal.SIGINT, previous)
 
 
-def run(cfg, dist, *, resume: bool = False) -> dict:
-    """Build the parts, evaluate held-out rows before, train, evaluate after. Returns a summary."""
+def _jsonable(result: dict) -> dict:
+    """A held-out result for eval.json: count, means with intervals, per-prompt values (NaN as null)."""
+    clean = lambda x: None if isinstance(x, float) and math.isnan(x) else x  # noqa: E731
+    return {"count": result["count"], "means": {k: [clean(x) for x in v] for k, v in result["means"].items()},
+            "values": {k: [clean(x) for x in v] for k, v in result["values"].items()}}
+
+
+def run(cfg: Config, dist, *, resume: bool = False) -> dict:
+    """Build, score the held-out rows before, train, score after. Returns {"run_dir", "before", "after"} (the
+    held-out results: count, means with 95% intervals, per-prompt values), or "interrupted" (steps done)."""
     import torch
 
-    from grpo.evaluate import evaluate
     from grpo.sft import train_sft
     from grpo.trainer import train_rl
     from launch.build import build
 
-    parts = build(cfg, dist, resume=resume)
-    max_new = cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens
-
-    def held_out() -> dict:
-        if not parts.eval_rows:
-            return {}
-        result = evaluate(parts.engine, parts.eval_rows, parts.eval_prompt_ids, parts.compute_score, dist,
-                          max_new_tokens=max_new, correct_threshold=cfg.reward.correct_threshold)
-        result.pop("records")
-        return result
-
-    summary = {"run_dir": str(parts.run_dir), "before": held_out() if cfg.trainer.eval_before else {}}
-    loop = train_sft if cfg.stage == "sft" else train_rl
-    try:
-        with interrupt_requests(parts.log) as requested:
-            # Every rank must stop after the same step: the request is reduced over ranks once per step.
-            parts.stop_requested = lambda: bool(dist.all_reduce_max(
-                torch.tensor(float(requested()), device=dist.device)) > 0)
-            summary["final"] = loop(cfg, dist, parts)
-    finally:
-        parts.log.close()
-    if parts.completed_steps < cfg.trainer.steps:
-        summary["interrupted"] = parts.completed_steps
+    with interrupt_requests(announce=dist.is_main) as requested:
+        # Every rank must stop after the same step: the request is reduced over ranks once per step.
+        stop = lambda: bool(dist.all_reduce_max(torch.tensor(float(requested()), device=dist.device)) > 0)  # noqa: E731
+        built = build(cfg, dist, resume=resume, stop_requested=stop)
+        held_out, start = built.held_out, built.checkpoints.start_step
+        summary = {"run_dir": str(built.run_dir), "before": {}}
+        if held_out is not None and cfg.trainer.eval_before:
+            summary["before"] = _jsonable(held_out.result(start))
+        loop = train_sft if cfg.stage == "sft" else train_rl
+        try:
+            summary["final"] = loop(cfg, dist, built.parts)
+        finally:
+            built.log.close()
+    if built.checkpoints.completed_steps < cfg.trainer.steps:
+        summary["interrupted"] = built.checkpoints.completed_steps
         return summary
-    summary["after"] = held_out()
+    summary["after"] = _jsonable(held_out.result(cfg.trainer.steps)) if held_out is not None else {}
     if dist.is_main:
-        (parts.run_dir / "eval.json").write_text(json.dumps({k: summary[k] for k in ("before", "after")}, indent=1))
-    if parts.engine is not None and hasattr(parts.engine, "close"):
-        parts.engine.close()
+        (built.run_dir / "eval.json").write_text(json.dumps({k: summary[k] for k in ("before", "after")}, indent=1))
+    if built.engine is not None and hasattr(built.engine, "close"):
+        built.engine.close()
     return summary
 
 

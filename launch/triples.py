@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from launch.config import ConfigError, RewardConfig
+from grpo.config import RewardConfig
+from launch.config import ConfigError
 
 EXTRACTORS = ("rule", "model")
 

@@ -6,7 +6,7 @@ thinking output (`<think>...</think>`) is part of the completion ids and is neve
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 
 def render_prompt(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
@@ -30,3 +30,9 @@ def render_prompt(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]
     # transformers 5 returns a BatchEncoding here; older versions returned the list of ids itself.
     ids = encoded["input_ids"] if isinstance(encoded, Mapping) or hasattr(encoded, "keys") else encoded
     return [int(token) for token in ids]
+
+
+def prefix_decoder(tokenizer) -> Callable[[Sequence[int]], list[str]]:
+    """ids -> [decode(ids[:k]) for k in 0..len(ids)] (special tokens skipped): what grpo.alignment needs to
+    find each token's character span by incremental decoding."""
+    return lambda ids: tokenizer.batch_decode([ids[:k] for k in range(len(ids) + 1)], skip_special_tokens=True)

@@ -21,7 +21,6 @@ import os
 import random
 import re
 import shutil
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,7 +37,6 @@ from models import fsdp
 MARKER = "COMPLETE"
 WEIGHTS = "model.safetensors"
 STATE = "trainer_state.json"
-PAUSE_ENV = "NANOGRPO_TEST_PAUSE_IN_SAVE"  # seconds to sleep mid-save, for fault-injection tests
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -186,8 +184,6 @@ def save_checkpoint(
     if optimizer is not None:
         fsdp.save_optimizer_state(str(partial / "optimizer"), model, optimizer)
     _write_rng(partial, rng)
-    if os.environ.get(PAUSE_ENV):
-        time.sleep(float(os.environ[PAUSE_ENV]))
     fsdp.barrier()
     if is_rank0:
         state = {"step": int(step), "world_size": fsdp.world_size(), "has_optimizer": optimizer is not None, **weights.state}

@@ -23,7 +23,7 @@ def shared_data() -> Path:
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random Llama saved as an HF directory with the embedded SmolLM2 tokenizer (its chat template)."""
     from models import load_tokenizer
-    from models.tiny import tiny_model
+    from tiny import tiny_model
 
     directory = tmp_path_factory.mktemp("tiny_llama")
     tiny_model("llama", seed=0).save_pretrained(directory)

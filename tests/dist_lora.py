@@ -17,7 +17,7 @@ from models import fsdp
 from models.batching import pad_batch
 from models.logprobs import completion_logprobs
 from models.lora import apply_lora, disabled_adapters, load_lora_checkpoint, merged_state_dict, save_lora_checkpoint
-from models.tiny import tiny_model
+from tiny import tiny_model
 from tests_support import full_tensor, resume_check, run_under_torchrun
 
 VOCAB = 4096

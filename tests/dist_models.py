@@ -17,7 +17,7 @@ from models import fsdp
 from models.batching import pad_batch
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.logprobs import completion_logprobs
-from models.tiny import tiny_model
+from tiny import tiny_model
 from tests_support import resume_check, run_under_torchrun
 
 ENTROPY_COEFFICIENT = 0.01

@@ -156,7 +156,8 @@ def test_filter_cli_runs_the_engine_end_to_end(tmp_path, tiny_model_dir, capsys)
     from data.rows import write_rows
 
     write_rows(rows, source)
-    factqa.main(["filter", "--input", str(source), "--out", str(out), "--model", str(tiny_model_dir),
+    from launch.self_filter import main as self_filter_main
+    self_filter_main(["--input", str(source), "--out", str(out), "--model", str(tiny_model_dir),
                  "--group-size", "2", "--min-correct", "0", "--max-correct", "2", "--max-new-tokens", "6",
                  "--batch-size", "2", "--judge", "operator:contains"])  # correct when "e" occurs in the text
     kept = read_rows(out)
@@ -166,7 +167,7 @@ def test_filter_cli_runs_the_engine_end_to_end(tmp_path, tiny_model_dir, capsys)
     # The default judge is the reward's string-match judge: random text has no <answer> block, so it is never
     # right, no question lands in the 1..G-1 zone, and nothing is written.
     with pytest.raises(SystemExit, match="no question was answered correctly between 1 and 1 times"):
-        factqa.main(["filter", "--input", str(source), "--out", str(tmp_path / "none.jsonl"),
+        self_filter_main(["--input", str(source), "--out", str(tmp_path / "none.jsonl"),
                      "--model", str(tiny_model_dir), "--group-size", "2", "--max-new-tokens", "4"])
     assert not (tmp_path / "none.jsonl").exists()
 

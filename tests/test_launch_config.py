@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.config import Config, ConfigError, load_config
+from grpo.config import Config
+from launch.config import ConfigError, load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "launch" / "configs"
 

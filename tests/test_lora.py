@@ -16,7 +16,7 @@ from models.lora import (
     apply_lora, disabled_adapters, is_lora, load_adapter, load_lora_checkpoint, merged_state_dict, save_adapter,
     save_lora_checkpoint, save_merged,
 )
-from models.tiny import tiny_model
+from tiny import tiny_model
 from rollout.buckets import bucketed
 from rollout.hf_engine import HFEngine
 

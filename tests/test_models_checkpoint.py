@@ -1,7 +1,6 @@
 """Checkpoints on one process: HF export that transformers reloads, exact resume, atomic saves (a save killed
 midway leaves the previous checkpoint as the latest), and damaged checkpoints that refuse to half-load."""
 import json
-import os
 import random
 import subprocess
 import sys
@@ -14,9 +13,9 @@ import torch
 
 from models import fsdp, load_tokenizer
 from models.batching import pad_batch
-from models.checkpoint import PAUSE_ENV, latest_checkpoint, load_checkpoint, save_checkpoint
+from models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from models.logprobs import completion_logprobs
-from models.tiny import tiny_model
+from tiny import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 4096  # a small vocabulary keeps each AdamW step cheap; the layout is the same as at 49,152
@@ -107,11 +106,12 @@ def test_save_killed_midway_keeps_previous_checkpoint(tmp_path):
     model, _ = new_run()
     save_checkpoint(tmp_path / "checkpoints" / "step_1", model, None, None, 1)
     script = (
-        "import sys; from models.tiny import tiny_model; from models.checkpoint import save_checkpoint;"
+        "import sys; from tests.faults import pause_in_save; from tests.tiny import tiny_model;"
+        "from models.checkpoint import save_checkpoint; pause_in_save(60);"
         f"save_checkpoint(sys.argv[1], tiny_model('qwen3', tie_word_embeddings=False, vocab_size={VOCAB}), None, None, 2)"
     )
     target = tmp_path / "checkpoints" / "step_2"
-    child = subprocess.Popen([sys.executable, "-c", script, str(target)], cwd=ROOT, env={**os.environ, PAUSE_ENV: "60"})
+    child = subprocess.Popen([sys.executable, "-c", script, str(target)], cwd=ROOT)
     partial = tmp_path / "checkpoints" / ".step_2.partial"
     deadline = time.time() + 60
     while not (partial / "rng").is_dir() and time.time() < deadline:  # weights written, now sleeping

@@ -9,7 +9,7 @@ import torch
 
 from models import embedded, load_model, load_tokenizer, render_prompt, resolve_model_dir
 from models.loading import resolve_attn_implementation
-from models.tiny import tiny_model
+from tiny import tiny_model
 
 SMOLLM_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 

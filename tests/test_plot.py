@@ -40,8 +40,8 @@ def check_png(path):
 
 
 def test_curves_and_bars_render(tmp_path, capsys):
-    held_out = {"before": {"eval_acc": 0.25, "eval_format_rate": 0.5},
-                "after": {"eval_acc": 0.5, "eval_format_rate": 1.0}}
+    held_out = {"before": {"count": 4, "means": {"acc": [0.25, 0.0, 0.5], "format": [0.5, 0.2, 0.8]}},
+                "after": {"count": 4, "means": {"acc": [0.5, 0.2, 0.8], "format": [1.0, 1.0, 1.0]}}}
     first = write_run(tmp_path / "sft_then_grpo", 5, with_kl=True, eval_json=held_out)
     second = write_run(tmp_path / "grpo_only", 8, with_kl=False)
     evaluated = tmp_path / "eval_base"

@@ -23,8 +23,8 @@ def _rows(path: Path) -> Path:
     return path
 
 
-def _command(tmp_path, model_dir, run_name, *, ranks=1, steps=4, extra=()):
-    launcher = [sys.executable, "-m", "launch.train"] if ranks == 1 else [
+def _command(tmp_path, model_dir, run_name, *, ranks=1, steps=4, extra=(), launcher=None):
+    launcher = launcher or [sys.executable, "-m", "launch.train"] if ranks == 1 else [
         str(Path(sys.executable).with_name("torchrun")), f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
         f"--master_port={free_port()}", "-m", "launch.train"]
     return launcher + [
@@ -92,8 +92,8 @@ def test_kill_during_checkpoint_save_keeps_previous(tmp_path, tiny_model_dir, re
     from models.checkpoint import latest_checkpoint
     run_dir = tmp_path / "killed"
     # Every save pauses 2 s between writing files and marking them complete: kill inside the step-4 save.
-    env = _env(NANOGRPO_TEST_PAUSE_IN_SAVE="2")
-    _kill_when(_command(tmp_path, tiny_model_dir, "killed"), env=env,
+    pausing = [sys.executable, str(ROOT / "tests" / "faults.py"), "--pause-in-save", "2", "--"]
+    _kill_when(_command(tmp_path, tiny_model_dir, "killed", launcher=pausing),
                ready=lambda: (run_dir / "checkpoints" / ".step_4.partial" / "model.safetensors").exists())
     assert latest_checkpoint(run_dir / "checkpoints") == run_dir / "checkpoints" / "step_2"
     assert not (run_dir / "checkpoints" / "step_4").exists()
@@ -144,12 +144,15 @@ def test_flat_rewards_run_without_nan_and_say_so(tmp_path, tiny_model_dir, capsy
 
 
 def test_nonfinite_loss_skips_the_step_and_stops_after_the_limit(tmp_path, tiny_model_dir, monkeypatch, capsys):
-    monkeypatch.setenv("NANOGRPO_TEST_NONFINITE_STEPS", "1")
+    from faults import nonfinite_losses
+    # 2 prompts x G=4 in micro-batches of 4: two micro-batch losses per step.
+    nonfinite_losses(monkeypatch, {1}, calls_per_step=2)
     _in_process(tmp_path, tiny_model_dir, "inf", 3)
     assert [m["skipped"] for m in _metrics(tmp_path / "inf")] == [0.0, 1.0, 0.0]
     assert "optimizer step skipped" in capsys.readouterr().err
     # Three non-finite steps in a row (the default limit) stop the run with a clear message, no checkpoint.
-    monkeypatch.setenv("NANOGRPO_TEST_NONFINITE_STEPS", "0,1,2")
+    monkeypatch.undo()
+    nonfinite_losses(monkeypatch, {0, 1, 2}, calls_per_step=2)
     with pytest.raises(RuntimeError, match="3 consecutive optimizer steps skipped"):
         _in_process(tmp_path, tiny_model_dir, "stop", 4)
     assert not (tmp_path / "stop" / "checkpoints" / "step_4").exists()

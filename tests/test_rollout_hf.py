@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from models import load_tokenizer
-from models.tiny import tiny_model
+from tiny import tiny_model
 from rollout.hf_engine import HFEngine
 
 PROMPTS = [[1, 504, 3458, 282], [1, 18, 19]]

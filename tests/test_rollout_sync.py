@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.tiny import tiny_model
+from tiny import tiny_model
 from rollout.buckets import bucketed, tensor_bytes, weight_group
 from rollout.sync import sync_weights
 

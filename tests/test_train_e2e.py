@@ -48,7 +48,8 @@ def test_grpo_two_steps_and_resume_equivalence(tmp_path, tiny_model_dir):
         assert all(isinstance(m[k], float) and m[k] == m[k] for k in ("reward_mean", "grad_norm", "kl", "entropy"))
         assert m["ratio_first_update"] == pytest.approx(1.0, abs=1e-5)  # old logprobs pass == first update pass
     assert (run_dir / "samples.jsonl").exists() and (run_dir / "config.yaml").exists()
-    assert set(summary["after"]) >= {"eval_reward", "eval_acc", "eval_format_rate"}
+    assert set(summary["after"]["means"]) >= {"reward", "acc", "format"} and summary["after"]["count"] == 2
+    assert len(summary["after"]["values"]["reward"]) == 2  # per-prompt values, for paired comparisons
     initial = load_file(str(tiny_model_dir / "model.safetensors"))
     final = load_file(str(run_dir / "checkpoints" / "step_4" / "model.safetensors"))
     changed = [k for k in initial if not torch.equal(initial[k], final[k])]

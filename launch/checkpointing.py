@@ -1,0 +1,80 @@
+"""The one object that owns a run's progress: where it starts (a resumed checkpoint or step 0), which steps
+are done, when a checkpoint is written (periodic, final, on a stop request) and what goes into it.
+
+The loops see it through grpo.parts.Checkpoints (`start_step`, `end_step`, `finish`). A checkpoint holds the
+weights (HF format, or the LoRA adapter), the optimizer, the schedule and every rank's data position, and is
+written atomically by models/checkpoint.py; non-finite weights are never written.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from grpo.config import LoraConfig
+from grpo.parts import Collectives, Policy, Sampler
+
+
+class Checkpointer:
+    """Checkpoints of one run under run_dir/checkpoints/step_<n>/, every rank calling in step.
+
+    stop_requested: asked once per step on every rank (launch.train reduces Ctrl-C over ranks), so every
+    rank stops after the same step.
+    """
+
+    def __init__(self, run_dir: Path, policy: Policy, tokenizer, sampler: Sampler, dist: Collectives, *,
+                 lora: LoraConfig, steps: int, save_every: int, stop_requested: Callable[[], bool]):
+        self.directory = Path(run_dir) / "checkpoints"
+        self.policy, self.tokenizer, self.sampler, self.dist, self.lora = policy, tokenizer, sampler, dist, lora
+        self.steps, self.save_every, self.stop_requested = steps, save_every, stop_requested
+        self.start_step = self.completed_steps = 0
+
+    def resume(self, checkpoint: Path) -> int:
+        """Load weights, optimizer, schedule and this rank's data position from `checkpoint` (checked before
+        anything is loaded); the run continues after its step, which is returned."""
+        from models.checkpoint import load_checkpoint
+        from models.lora import load_lora_checkpoint
+        load = load_lora_checkpoint if self.lora.enabled else load_checkpoint
+        step, extra = load(checkpoint, self.policy.model, self.policy.optimizer)
+        self.policy.scheduler.load_state_dict(extra["scheduler"])
+        self.sampler.position = extra["sampler_position"][self.dist.rank]
+        self.start_step = self.completed_steps = step
+        return step
+
+    def save(self, step: int) -> Path:
+        """Write checkpoints/step_<step>; RuntimeError, before anything is written, when a weight is not finite."""
+        from models.checkpoint import save_checkpoint
+        from models.lora import save_lora_checkpoint
+        dist, model = self.dist, self.policy.model
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+        bad = dist.all_reduce_max(torch.tensor(float(not all(bool(torch.isfinite(p).all()) for p in local)),
+                                               device=dist.device))
+        if bool(bad > 0):
+            raise RuntimeError(f"refusing to write checkpoint step_{step}: the model has non-finite weights")
+        # Ranks consume prompts at different rates under dynamic sampling: keep every rank's position.
+        one_hot = torch.zeros(dist.world_size, dtype=torch.float64, device=dist.device)
+        one_hot[dist.rank] = self.sampler.position
+        positions = [int(p) for p in dist.all_reduce_sum(one_hot).tolist()]
+        extra = {"scheduler": self.policy.scheduler.state_dict(), "sampler_position": positions}
+        target = self.directory / f"step_{step}"
+        if self.lora.enabled:
+            save_lora_checkpoint(target, model, self.tokenizer, self.policy.optimizer, step, extra=extra,
+                                 merged_export=self.lora.merged_export)
+        else:
+            save_checkpoint(target, model, self.tokenizer, self.policy.optimizer, step, extra=extra)
+        return target
+
+    def end_step(self, done: int) -> bool:
+        """Record step `done` (1-based). True when a stop was requested (the loop breaks and `finish` writes
+        the checkpoint); otherwise writes the periodic checkpoint when one is due (the last step's is `finish`'s)."""
+        self.completed_steps = done
+        if self.stop_requested():
+            return True
+        if self.save_every and done % self.save_every == 0 and done < self.steps:
+            self.save(done)
+        return False
+
+    def finish(self) -> None:
+        """The final checkpoint, at the last finished step."""
+        self.save(self.completed_steps)
