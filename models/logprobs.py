@@ -61,15 +61,24 @@ def _final_hidden_module(model: torch.nn.Module) -> torch.nn.Module:
     return decoder
 
 
-def _check_plain_projection(model: torch.nn.Module) -> None:
+def logit_transform(model: torch.nn.Module) -> str | None:
+    """The config setting that makes `model`'s logits more than its output projection (e.g.
+    "final_logit_softcapping=30.0"), or None when the logits are exactly hidden @ lm_head.weight.T (+ bias)."""
     config = getattr(model, "config", None)
     for key, neutral in _UNSUPPORTED_LOGIT_TRANSFORMS.items():
         value = getattr(config, key, neutral)
         if value is not None and value != neutral:
-            raise ValueError(
-                f"{type(model).__name__} has config.{key}={value}: its logits are not a plain lm_head projection, "
-                "which completion_logprobs assumes"
-            )
+            return f"{key}={value}"
+    return None
+
+
+def _check_plain_projection(model: torch.nn.Module) -> None:
+    transform = logit_transform(model)
+    if transform is not None:
+        raise ValueError(
+            f"{type(model).__name__} has config.{transform}: its logits are not a plain lm_head projection, "
+            "which completion_logprobs assumes"
+        )
 
 
 def _output_projection(model: torch.nn.Module) -> tuple[Tensor, Tensor | None]:
