@@ -1,6 +1,7 @@
-"""Attention functions of our own, registered with transformers' AttentionInterface, and a context manager that
-switches a model to one of them for the duration of a call (the engine's decode loop, a packed logprob pass)
-and back, so the model object the trainer holds is never left changed.
+"""An attention function of our own, registered with transformers' AttentionInterface, and a context manager
+that switches a model to it for the duration of a call (the engine's generate) and back, so the model object
+the trainer holds is never left changed. (Packed passes wrap the registered functions instead:
+models.packing.install_packed_dispatch says why.)
 
 `sdpa_native_gqa`: transformers' sdpa path, except that grouped-query attention (fewer key/value heads than
 query heads) is left to torch's kernel (`enable_gqa=True`) instead of copying every key and value head
