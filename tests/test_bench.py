@@ -188,3 +188,36 @@ def test_phase_flops_equal_torch_flop_counter_plus_attention(arch, tie):
     # one position (logits_to_keep=1, unused): 2 V d more than the formula counts.
     expected = logprob_pass_flops(shape, [5], [5, 5], [3, 2])
     assert expected == packed_pass - 2 * shape.vocab * 64 + attention(range(1, 6)) + attention([6, 7]) + attention([6])
+
+
+def test_generate_quick_counts_every_token(tmp_path):
+    """HFEngine and model.generate on the embedded model, 2 task prompts x G=2 x 8 tokens, no EOS: both sides
+    produce exactly 32 tokens."""
+    from bench.generate import main
+
+    out = tmp_path / "generate.json"
+    assert main(["--quick", "--task-prompts", "--group", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["hf_engine"]["tokens"] == result["model_generate"]["tokens"] == 2 * 2 * 8
+    assert result["hf_engine"]["tokens_per_s"] > 0 and result["model_generate"]["tokens_per_s"] > 0
+    assert min(result["settings"]["prompt_lengths"]) > 100  # the ~200-token task prompts
+
+
+def test_packed_quick_passes_agree(tmp_path):
+    """The four update passes on a tiny model: same logprobs as the padded pass (1e-5), and the packed row
+    holds each distinct prompt once plus every completion but its last token."""
+    from bench.packed import PASSES, main
+
+    out = tmp_path / "packed.json"
+    assert main(["--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    passes, settings = result["passes"], result["settings"]
+    lengths = settings["completion_lengths"]
+    assert len(lengths) == 2 * 4 and min(lengths) >= 8 and max(lengths) <= 32
+    for name in PASSES:
+        assert passes[name]["max_abs_logprob_diff_vs_padded"] < 1e-5 and len(passes[name]["seconds"]) == 1
+    assert passes["padded"]["tokens"] == 8 * (settings["prompt_len"] + max(lengths))
+    assert passes["packed"]["tokens"] == passes["block mask"]["tokens"] < passes["shared"]["tokens"]
+    # Each distinct prompt at its own length once, each completion without its last token.
+    assert passes["packed"]["tokens"] == sum(settings["prompt_lengths"]) + sum(lengths) - 8
+    assert passes["shared"]["tokens"] == 2 * settings["prompt_len"] + 8 * max(lengths)
