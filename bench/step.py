@@ -6,6 +6,10 @@ and peak memory of each phase, by running the real trainer (launch.build + grpo.
     python -m bench.step --out bench/results/step.json algorithm.kl_coef=0.01   # any config override
     python -m bench.step --quick                          # smoke run: tiny random model, 2 steps of 8 tokens
 
+It also prints the model FLOPs of each phase (prefill, decode, logprob passes, update; bench/flops.py has the
+formula and its derivation), the machine's peak measured in the same run (a 2048^3 fp32 matmul at the same
+thread count, before and after the steps) and the MFU of each phase and of the whole step.
+
 Nothing in the step is re-implemented: the loop is train_rl itself, on the parts build() returns. The phases
 are observed from outside: the engine's generate is wrapped, a forward pre-hook on the policy (and reference)
 model marks the first logprob or training forward, and sync_weights and the logger are wrapped. Seconds come
@@ -35,6 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.flops import DecoderShape, measure_peak_flops, step_flops
 from bench.report import write_results
 
 PHASES = ("rollout", "reward", "logprob", "update", "sync")
@@ -96,10 +101,12 @@ def _instrument(parts, memory: PhaseMemory, generated: list[dict]) -> tuple:
     engine, sync, log_metrics = parts.engine, parts.sync_weights, parts.log.metrics
     in_generate = [False]
     original_generate = engine.generate
+    prefill_seconds = [0.0]
 
     def generate(prompts, **kwargs):
         memory.enter("rollout")
         in_generate[0] = True
+        prefill_seconds[0] = 0.0
         started = time.perf_counter()
         try:
             completions = original_generate(prompts, **kwargs)
@@ -109,11 +116,27 @@ def _instrument(parts, memory: PhaseMemory, generated: list[dict]) -> tuple:
             generated.append({})
         record = generated[memory.step]
         record["rollout_seconds"] = record.get("rollout_seconds", 0.0) + time.perf_counter() - started
+        record["prefill_seconds"] = record.get("prefill_seconds", 0.0) + prefill_seconds[0]
         record["completions"] = record.get("completions", 0) + len(completions)
         record["generated_tokens"] = record.get("generated_tokens", 0) + sum(len(c.completion_ids) for c in completions)
         record["prompt_tokens"] = record.get("prompt_tokens", 0) + sum(len(c.prompt_ids) for c in completions)
+        record.setdefault("calls", []).append({"prompts": [list(p) for p in prompts], "group": kwargs.get("n", 1),
+                                               "completion_lengths": [len(c.completion_ids) for c in completions]})
         memory.enter("reward")
         return completions
+
+    # HFEngine: a forward of more than one new token per row is the prefill; the rest of generate is decoding.
+    if hasattr(engine, "_next_logits"):
+        original_next_logits = engine._next_logits
+
+        def next_logits(input_ids, *args):
+            started = time.perf_counter()
+            logits = original_next_logits(input_ids, *args)
+            if input_ids.shape[1] > 1:
+                prefill_seconds[0] += time.perf_counter() - started
+            return logits
+
+        engine._next_logits = next_logits
 
     def forward_pre_hook(module, args):
         if in_generate[0]:
@@ -166,6 +189,7 @@ def _step_report(record: dict, memory: PhaseMemory, step: int, ppo_epochs: int) 
     phases["update"]["forward_tokens_per_s"] = forward_tokens / seconds["update"] if seconds["update"] > 0 else None
     total = sum(seconds.values())
     return {"phases": phases, "step_seconds": total, "generated_tokens": generated_tokens,
+            "prefill_seconds": record.get("prefill_seconds"), "calls": record["calls"],
             "trained_tokens": trained_tokens, "tokens_per_s": metrics["tokens_per_s"],
             "reward_mean": metrics["reward_mean"],
             **{key: record[key] for key in ("prompt_tokens", "completions", "ended_at", "ended_cpu")}}
@@ -252,8 +276,12 @@ def run_steps(overrides: list[str], *, sync: str = "shared", no_eos: bool = Fals
             memory.close()
         wall = time.perf_counter() - started
         steps = [_step_report(record, memory, step, cfg.algorithm.ppo_epochs) for step, record in enumerate(generated)]
+        logprob_passes = int(cfg.algorithm.ppo_epochs > 1) + int(parts.ref_model is not None
+                                                                 or bool(parts.reference_from_adapters))
         return {"steps": steps, "wall_seconds": wall, "started_at": started, "started_cpu": started_cpu,
-                "peak_reset": memory.peak_reset, "ppo_epochs": cfg.algorithm.ppo_epochs, "kl_coef": cfg.algorithm.kl_coef}
+                "peak_reset": memory.peak_reset, "ppo_epochs": cfg.algorithm.ppo_epochs, "kl_coef": cfg.algorithm.kl_coef,
+                "shape": DecoderShape.of(parts.model).__dict__, "micro_batch_size": cfg.trainer.micro_batch_size,
+                "logprob_passes": logprob_passes}
     finally:
         shutdown(dist)
 
@@ -275,6 +303,56 @@ def summarize(steps: list[dict]) -> dict:
     summary["tokens_per_s"] = statistics.median(step["tokens_per_s"] for step in measured)
     summary["measured_steps"] = len(measured)
     return summary
+
+
+MFU_PHASES = ("prefill", "decode", "logprob", "update", "step")
+
+
+def mfu_report(result: dict, peak_flops_per_s: float) -> dict:
+    """Model FLOPs (bench.flops) and MFU per phase: per step, then the median over the steps after the first.
+    prefill: the engine's forwards of more than one token per row; decode: the rest of generate (its forwards,
+    sampling and bookkeeping); step: all five phases. Without an HFEngine the rollout is not split."""
+    shape = DecoderShape(**result["shape"])
+    per_step = []
+    for step in result["steps"]:
+        flops = dict.fromkeys(MFU_PHASES, 0)
+        for call in step["calls"]:
+            counted = step_flops(shape, prompts=call["prompts"], group=call["group"],
+                                 completion_lengths=call["completion_lengths"],
+                                 micro_batch_size=result["micro_batch_size"], ppo_epochs=result["ppo_epochs"],
+                                 logprob_passes=result["logprob_passes"])
+            flops = {phase: flops[phase] + counted[phase] for phase in MFU_PHASES}
+        rollout, prefill = step["phases"]["rollout"]["seconds"], step["prefill_seconds"]
+        seconds = {"prefill": prefill, "decode": None if prefill is None else rollout - prefill,
+                   "logprob": step["phases"]["logprob"]["seconds"], "update": step["phases"]["update"]["seconds"],
+                   "step": step["step_seconds"]}
+        per_step.append({phase: {"flops": flops[phase], "seconds": seconds[phase],
+                                 "mfu": flops[phase] / seconds[phase] / peak_flops_per_s
+                                 if seconds[phase] and flops[phase] else None} for phase in MFU_PHASES})
+    measured = per_step[1:] if len(per_step) > 1 else per_step
+    summary = {}
+    for phase in MFU_PHASES:
+        values = [entry[phase] for entry in measured]
+        known = [v["mfu"] for v in values if v["mfu"] is not None]
+        seconds = [v["seconds"] for v in values if v["seconds"] is not None]
+        summary[phase] = {"flops": statistics.median(v["flops"] for v in values),
+                          "seconds": statistics.median(seconds) if seconds else None,
+                          "mfu": statistics.median(known) if known else None}
+    return {"peak_flops_per_s": peak_flops_per_s, "per_step": per_step, "summary": summary}
+
+
+def print_mfu(report: dict) -> None:
+    peak = report["peak_flops_per_s"]
+    print(f"\nmodel FLOPs utilisation (peak: {peak / 1e9:.1f} GFLOP/s, a {report.get('peak_size', 2048)}^3 fp32 "
+          f"matmul at the same thread count, best of this run)")
+    print(f"{'phase':<8} {'seconds':>8} {'GFLOP':>9} {'GFLOP/s':>8} {'MFU':>7}")
+    for phase in MFU_PHASES:
+        row = report["summary"][phase]
+        if row["seconds"] is None or not row["flops"]:
+            print(f"{phase:<8} {'-':>8} {row['flops'] / 1e9:>9.1f} {'-':>8} {'-':>7}")
+            continue
+        print(f"{phase:<8} {row['seconds']:>8.3f} {row['flops'] / 1e9:>9.1f} {row['flops'] / row['seconds'] / 1e9:>8.1f} "
+              f"{100 * row['mfu']:>6.1f}%")
 
 
 def print_table(summary: dict, result: dict) -> None:
@@ -327,7 +405,9 @@ def main(argv: list[str] | None = None) -> int:
         write_rows(generate_rows(max(args.prompts * args.steps, 8), seed=args.seed), rows_file)
         overrides = trainer_overrides(model, rows_file, work_dir / "runs", prompts=args.prompts, group=args.group,
                                       new_tokens=args.new_tokens, steps=args.steps, lr=args.lr, seed=args.seed)
+        peaks = [measure_peak_flops()]  # the machine's peak, before and after the steps (the better counts)
         result = run_steps(overrides + list(args.overrides), sync=args.sync, no_eos=args.no_eos)
+        peaks.append(measure_peak_flops())
     notes = []
     if result["ppo_epochs"] == 1 and result["kl_coef"] == 0:
         notes.append("logprob: no pass runs (ppo_epochs=1: old logprobs are the update's own, detached; kl_coef=0: "
@@ -346,7 +426,10 @@ def main(argv: list[str] | None = None) -> int:
                           "steps": args.steps, "lr": args.lr, "sync": args.sync, "no_eos": args.no_eos,
                           "overrides": args.overrides, "torch_threads": torch.get_num_threads(),
                           "cpus": os.cpu_count(), "load_average": os.getloadavg()}
+    result["mfu"] = mfu_report(result, max(peak["flops_per_s"] for peak in peaks))
+    result["mfu"]["peaks"] = peaks
     print_table(result["summary"], result)
+    print_mfu(result["mfu"])
     if args.out:
         write_results(args.out, result)
     return 0

@@ -58,3 +58,51 @@ def pad_batch(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequ
         "completion_mask": completion_mask,
         "prompt_len": prompt_len,
     }
+
+
+def micro_batches_by_tokens(lengths: Sequence[int], max_tokens: int, *, min_count: int = 1) -> list[list[int]]:
+    """Split items of the given token lengths into micro-batches of at most `max_tokens` tokens each, as few as
+    the budget allows (at least `min_count`), with the tokens spread evenly over them.
+
+    lengths:   [N] token count of each item (a sequence, or whatever the caller keeps together, e.g. one
+               prompt's group, so a packed pass can share its prompt).
+    max_tokens: the budget of one micro-batch: the sum of its items' lengths (what a packed pass computes).
+    min_count: the least number of micro-batches, e.g. the largest count any rank needs, so that every rank
+               runs the same number of forward/backward passes (FSDP's collectives pair up across ranks). Where
+               there are fewer items than that, the extra micro-batches are empty lists: the caller runs them as
+               zero-weight passes.
+    Returns micro-batches as lists of item indices, each ascending, ordered by their first index.
+    Raises ValueError naming the item and both numbers when one item alone exceeds the budget.
+
+    How: k starts at max(ceil(total / max_tokens), min_count); items in decreasing length go to the least
+    loaded micro-batch that still has room (longest-processing-time first); if some item fits nowhere, k grows
+    by one. Ties go to the lower micro-batch, so the plan is deterministic.
+
+    >>> micro_batches_by_tokens([5, 1, 4, 3, 2, 9], max_tokens=10)
+    [[0, 1, 4], [2, 3], [5]]
+    """
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    if isinstance(min_count, bool) or not isinstance(min_count, int) or min_count < 1:
+        raise ValueError(f"min_count must be a positive int, got {min_count!r}")
+    for index, length in enumerate(lengths):
+        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+            raise ValueError(f"lengths[{index}] must be a token count >= 0, got {length!r}")
+        if length > max_tokens:
+            raise ValueError(f"sequence {index} has {length} tokens, more than the micro-batch token budget "
+                             f"max_tokens={max_tokens}: raise the budget or shorten the sequence")
+    order = sorted(range(len(lengths)), key=lambda index: (-lengths[index], index))
+    count = max(-(-sum(lengths) // max_tokens), min_count, 1)
+    while True:
+        loads, batches = [0] * count, [[] for _ in range(count)]
+        for index in order:
+            open_batches = [b for b in range(count) if loads[b] + lengths[index] <= max_tokens]
+            if not open_batches:
+                break
+            target = min(open_batches, key=lambda b: (loads[b], b))
+            loads[target] += lengths[index]
+            batches[target].append(index)
+        else:
+            filled = sorted((sorted(batch) for batch in batches if batch), key=lambda batch: batch[0])
+            return filled + [[] for _ in range(count - len(filled))]
+        count += 1

@@ -3,7 +3,9 @@
 `completion_logprobs` is the pass the trainer uses: it runs the model, keeps only the final hidden states,
 and projects them to the vocabulary only at real completion positions, a chunk at a time, so the
 [B, Lp+T, V] logits (and even the [B, T, V] ones) never exist. B sequences, Lp prompt columns,
-T completion columns, V vocabulary, H hidden size.
+T completion columns, V vocabulary, H hidden size. Three ways to run the model over a pad_batch micro-batch:
+plain (B x (Lp+T)), shared prompts (each distinct prompt once, completions on its KV cache) and packed
+(one padding-free row, models.packing); all give the same values up to float rounding.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 from torch import Tensor
 
 from models.chunked_softmax import LogprobsFromHidden, LogprobsFromLogits
+from models.packing import PACKABLE_IMPLEMENTATIONS, flash_attn_available, install_packed_dispatch, pack_batch, varlen_layout
 
 # Rows (tokens) per chunk: one fp32 [C, V] block is 100 MB at V = 49,152 and 311 MB at V = 151,936.
 DEFAULT_CHUNK_SIZE = 512
@@ -61,15 +64,24 @@ def _final_hidden_module(model: torch.nn.Module) -> torch.nn.Module:
     return decoder
 
 
-def _check_plain_projection(model: torch.nn.Module) -> None:
+def logit_transform(model: torch.nn.Module) -> str | None:
+    """The config setting that makes `model`'s logits more than its output projection (e.g.
+    "final_logit_softcapping=30.0"), or None when the logits are exactly hidden @ lm_head.weight.T (+ bias)."""
     config = getattr(model, "config", None)
     for key, neutral in _UNSUPPORTED_LOGIT_TRANSFORMS.items():
         value = getattr(config, key, neutral)
         if value is not None and value != neutral:
-            raise ValueError(
-                f"{type(model).__name__} has config.{key}={value}: its logits are not a plain lm_head projection, "
-                "which completion_logprobs assumes"
-            )
+            return f"{key}={value}"
+    return None
+
+
+def _check_plain_projection(model: torch.nn.Module) -> None:
+    transform = logit_transform(model)
+    if transform is not None:
+        raise ValueError(
+            f"{type(model).__name__} has config.{transform}: its logits are not a plain lm_head projection, "
+            "which completion_logprobs assumes"
+        )
 
 
 def _output_projection(model: torch.nn.Module) -> tuple[Tensor, Tensor | None]:
@@ -125,6 +137,70 @@ def _shared_prompt_hidden(model, batch: dict, prompt_len: int, unique_rows: Tens
     return torch.cat([last_prompt_hidden[prompt_index], captured["hidden"][:, :-1]], dim=1)
 
 
+def _packed_hidden(model, batch: dict, prompt_index: Tensor | None, captured: dict) -> tuple[Tensor, Tensor]:
+    """Final hidden states [M, H] predicting the M real completion tokens (row-major), and those tokens [M],
+    from one packed forward (models.packing). prompt_index: [B] rows sharing a packed prompt, or None."""
+    config = model.config
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        raise ValueError(f"packed passes do not implement sliding-window attention (config.sliding_window="
+                         f"{config.sliding_window}); use packed=False")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError(f"packed passes do not implement attention soft-capping (config.attn_logit_softcapping="
+                         f"{config.attn_logit_softcapping}); use packed=False")
+    implementation = config._attn_implementation
+    if implementation not in PACKABLE_IMPLEMENTATIONS:
+        raise ValueError(f"packed passes run on attention implementations {list(PACKABLE_IMPLEMENTATIONS)}; the model "
+                         f"uses {implementation!r} (model.attn_implementation=sdpa), or use packed=False")
+    install_packed_dispatch()
+    device = model.get_output_embeddings().weight.device
+    packed = pack_batch(batch, None if prompt_index is None else prompt_index.cpu())
+    attention_kwargs = {"packed_segments": packed.segments}
+    if flash_attn_available(device):
+        attention_kwargs["packed_varlen"] = varlen_layout(packed.segments, device)
+    # A 4-D mask is passed through by transformers untouched and ignored by packed attention (with none,
+    # transformers would build an [N, N] block mask that nothing reads). It is empty so that a layer which
+    # did not receive packed_segments fails on it loudly instead of attending across sequences.
+    unused_mask = torch.empty(1, 1, 0, 0, dtype=torch.bool, device=device)
+    model(input_ids=packed.input_ids.to(device), position_ids=packed.position_ids.to(device),
+          attention_mask=unused_mask, use_cache=False, logits_to_keep=1, **attention_kwargs)
+    hidden = captured["hidden"]
+    return hidden[0, packed.predict_index.to(hidden.device)], packed.labels.to(hidden.device)
+
+
+def _completion_hidden(model, batch: dict, original: dict, *, share_prompts: bool, packed: bool):
+    """The final hidden states [M, H] that predict the M real completion tokens (row-major order of
+    completion_mask) and those tokens [M], by the pass completion_logprobs chose.
+
+    batch: input_ids, attention_mask, position_ids on the model's input device; original: the caller's
+    pad_batch dict (completion_mask, prompt_len)."""
+    input_ids, completion_mask, prompt_len = batch["input_ids"], original["completion_mask"], int(original["prompt_len"])
+    batch_size, completion_len = completion_mask.shape
+    captured: dict[str, Tensor] = {}
+
+    def keep_final_hidden(module, args, output):
+        captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+    handle = _final_hidden_module(model).register_forward_hook(keep_final_hidden)
+    try:
+        unique_rows, prompt_index = prompt_groups(input_ids, batch["attention_mask"], prompt_len)
+        shared = share_prompts and len(unique_rows) < batch_size
+        if packed:
+            return _packed_hidden(model, original, prompt_index if shared else None, captured)
+        # Gradient checkpointing drops the KV cache inside transformers' checkpointed layers, so it takes the
+        # plain pass.
+        if shared and completion_len > 0 and not getattr(model, "is_gradient_checkpointing", False):
+            hidden = _shared_prompt_hidden(model, batch, prompt_len, unique_rows, prompt_index, captured)
+        else:
+            # logits_to_keep=1: the model's own lm_head then runs on one position only ([B, 1, V], unused).
+            model(**batch, use_cache=False, logits_to_keep=1)
+            hidden = captured["hidden"][:, prompt_len - 1 : prompt_len - 1 + completion_len]
+        # hidden[:, t] (column Lp-1+t) predicts completion token t; only real completion tokens are projected.
+        selected = completion_mask.to(hidden.device) > 0
+        return hidden[selected], input_ids[:, prompt_len:].to(hidden.device)[selected]
+    finally:
+        handle.remove()
+
+
 def completion_logprobs(
     model: torch.nn.Module,
     batch: dict,
@@ -133,6 +209,7 @@ def completion_logprobs(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     with_entropy: bool = False,
     share_prompts: bool = True,
+    packed: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Logprobs (and optionally entropies) of the completion tokens under `model`, scaled by temperature.
 
@@ -143,6 +220,9 @@ def completion_logprobs(
     share_prompts: when rows repeat a prompt (GRPO's G completions per prompt), run each distinct prompt once
            and the completions on its KV cache (`_shared_prompt_hidden`): the same values up to float
            rounding, with a forward over U*Lp + B*T tokens instead of B*(Lp+T).
+    packed: run the micro-batch as one padding-free packed row (models.packing): each distinct prompt once
+           (with share_prompts) and every completion at its own length, U*Lp + sum(T_b) tokens. The same values
+           up to float rounding; also under gradient checkpointing.
     """
     _check_common(temperature, chunk_size)
     input_ids, completion_mask, prompt_len = batch["input_ids"], batch["completion_mask"], int(batch["prompt_len"])
@@ -159,38 +239,17 @@ def completion_logprobs(
     # FSDP2 moves a sharded model's inputs to its compute device itself (also under CPU offload, where the
     # parameters' own device is the CPU); a plain model gets them on its parameters' device.
     input_device = model.get_output_embeddings().weight.device
+    original = batch
     batch = {key: batch[key].to(input_device) for key in ("input_ids", "attention_mask", "position_ids")}
-    input_ids = batch["input_ids"]
 
-    captured: dict[str, Tensor] = {}
-
-    def keep_final_hidden(module, args, output):
-        captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
-
-    handle = _final_hidden_module(model).register_forward_hook(keep_final_hidden)
-    try:
-        unique_rows, prompt_index = prompt_groups(input_ids, batch["attention_mask"], prompt_len)
-        # Gradient checkpointing drops the KV cache inside transformers' checkpointed layers, so it takes the
-        # plain pass.
-        if (share_prompts and len(unique_rows) < batch_size and completion_len > 0
-                and not getattr(model, "is_gradient_checkpointing", False)):
-            hidden = _shared_prompt_hidden(model, batch, prompt_len, unique_rows, prompt_index, captured)
-        else:
-            # logits_to_keep=1: the model's own lm_head then runs on one position only ([B, 1, V], unused).
-            model(**batch, use_cache=False, logits_to_keep=1)
-            hidden = captured["hidden"][:, prompt_len - 1 : prompt_len - 1 + completion_len]
-    finally:
-        handle.remove()
+    hidden, labels = _completion_hidden(model, batch, original, share_prompts=share_prompts, packed=packed)
     # Read the projection only now: under FSDP2 the root's parameters are gathered (plain tensors swapped in
     # for the shards) from its forward until its backward.
     weight, bias = _output_projection(model)
-
-    # hidden[:, t] (column Lp-1+t) predicts completion token t; only real completion tokens are projected.
     device = hidden.device
-    labels = input_ids[:, prompt_len:].to(device)
     selected = completion_mask.to(device) > 0
     logprobs_n, entropy_n = LogprobsFromHidden.apply(
-        hidden[selected], weight, bias, labels[selected], float(temperature), chunk_size, with_entropy
+        hidden, weight, bias, labels, float(temperature), chunk_size, with_entropy
     )
     logprobs = torch.zeros(batch_size, completion_len, dtype=torch.float32, device=device)
     logprobs = logprobs.masked_scatter(selected, logprobs_n)

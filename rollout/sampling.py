@@ -51,5 +51,26 @@ def sample_next_tokens(
         return tokens, logprobs
     processed = truncate_logits(logits / temperature, top_p, top_k)
     processed_logprobs = processed.log_softmax(dim=-1)
-    tokens = torch.multinomial(processed_logprobs.exp(), num_samples=1, generator=generator)[:, 0]
+    tokens = draw_from_probabilities(processed_logprobs.exp(), generator)
     return tokens, processed_logprobs.gather(-1, tokens[:, None])[:, 0]
+
+
+def draw_from_probabilities(probabilities: Tensor, generator: torch.Generator) -> Tensor:
+    """One index per row, drawn with probability proportional to its entry: inverse-CDF sampling with one
+    float64 uniform per row.
+
+    probabilities: [A, V] float, >= 0, each row with a positive sum. Returns [A] int64.
+
+    Why not torch.multinomial: it draws V exponential variates per row (786,432 for 16 rows of SmolLM2's
+    vocabulary), 20 ms of a 160 ms decode step on the 2-core CPU; this draws A uniforms and does one cumulative
+    sum, 7-10 ms. The sum is in float64 so that a token of probability 1e-9 next to a cumulative mass of 0.5
+    keeps its share (in float32 the running sum's rounding step there is 6e-8).
+    A zero-probability index is never returned: the first index whose cumulative sum exceeds u * total is one
+    where the sum grew.
+    """
+    cumulative = probabilities.double().cumsum(dim=-1)
+    total = cumulative[:, -1:]
+    uniform = torch.rand(total.shape, dtype=torch.float64, generator=generator, device=probabilities.device)
+    # u < 1, but u * total can round up to total: keep the target strictly below it.
+    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cumulative, target, right=True)[:, 0]

@@ -3,7 +3,8 @@
 
 One launch covers: sharded forward/backward == one process (Llama and Qwen3, tied and untied; fp32 and bf16
 mixed precision), per-rank parameter + gradient + optimizer bytes, checkpoint export that plain transformers
-reloads to identical logits, distributed resume, and rank-0 loading with meta initialisation.
+reloads to identical logits, distributed resume, rank-0 loading with meta initialisation, and the packed
+(padding-free) pass on the sharded model against the padded pass of one process.
 """
 from __future__ import annotations
 
@@ -36,11 +37,11 @@ def make_batch(seed: int = 3, grouped: bool = False):
 
 
 def loss_of(model, prompts, completions, global_tokens: float, temperature: float = 0.8,
-            share_prompts: bool = True) -> torch.Tensor:
+            share_prompts: bool = True, packed: bool = False) -> torch.Tensor:
     """Token-mean policy-gradient-like loss over the GLOBAL token count, plus an entropy bonus."""
     batch = pad_batch(prompts, completions, pad_id=2)
     logprobs, entropy = completion_logprobs(model, batch, temperature=temperature, chunk_size=5, with_entropy=True,
-                                            share_prompts=share_prompts)
+                                            share_prompts=share_prompts, packed=packed)
     mask = batch["completion_mask"]
     return -((logprobs + ENTROPY_COEFFICIENT * entropy) * mask).sum() / global_tokens
 
@@ -154,6 +155,36 @@ def export_and_resume(model, optimizer, mesh, directory: Path) -> dict:
     return out
 
 
+def packed_case(arch: str, tie: bool, mesh) -> dict:
+    """The packed pass (models.packing) on the sharded model against the padded pass of one process: each rank
+    packs its half of the batch (Qwen3: repeated prompts, packed once each; Llama: distinct prompts)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    prompts, completions = make_batch(seed=5, grouped=arch == "qwen3")
+    global_tokens = float(sum(len(c) for c in completions))
+    reference = tiny_model(arch, tie_word_embeddings=tie, seed=13)
+    reference_loss = loss_of(reference, prompts, completions, global_tokens, share_prompts=False)
+    reference_loss.backward()
+    model = fsdp.shard(tiny_model(arch, tie_word_embeddings=tie, seed=13), mesh, param_dtype=None)
+    share = len(prompts) // world
+    rows = slice(rank * share, (rank + 1) * share)
+    local = pad_batch(prompts[rows], completions[rows], pad_id=2)
+    with torch.no_grad():
+        old_logprobs, _ = completion_logprobs(model, local, temperature=0.8, packed=True)
+        expected_old, _ = completion_logprobs(reference, local, temperature=0.8, share_prompts=False)
+    no_grad_diff = torch.tensor((old_logprobs - expected_old).abs().max().item())
+    dist.all_reduce(no_grad_diff, op=dist.ReduceOp.MAX)
+    loss = loss_of(model, prompts[rows], completions[rows], global_tokens, packed=True)
+    loss.backward()
+    total_loss = loss.detach().clone()
+    dist.all_reduce(total_loss)
+    grads = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for name, p in model.named_parameters()}
+    reference_grads = {name: p.grad for name, p in reference.named_parameters()}
+    return {"loss_abs_diff": abs(total_loss.item() - reference_loss.item()), "loss": reference_loss.item(),
+            "grad_max_abs_diff": max((grads[n] - reference_grads[n]).abs().max().item() for n in reference_grads),
+            "grad_names_match": sorted(grads) == sorted(reference_grads),
+            "no_grad_logprobs_max_abs_diff": no_grad_diff.item()}
+
+
 def run_cases(mesh, shared: Path) -> dict:
     """Every case's measurements, keyed by case name; fp32 cases also export and resume under `shared`."""
     results: dict = {}
@@ -161,6 +192,8 @@ def run_cases(mesh, shared: Path) -> dict:
         compare_case(arch, tie, None, mesh, results, shared)
     for arch, tie in [("llama", True), ("qwen3", False)]:
         compare_case(arch, tie, torch.bfloat16, mesh, results, shared)
+    for arch, tie in [("llama", True), ("qwen3", False)]:
+        results[f"{arch}_{'tied' if tie else 'untied'}_packed"] = packed_case(arch, tie, mesh)
     return results
 
 

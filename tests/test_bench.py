@@ -33,6 +33,19 @@ def test_step_quick_all_phases(tmp_path):
         assert step["phases"]["rollout"]["rate"] == pytest.approx(64 / step["phases"]["rollout"]["seconds"])
         assert step["phases"]["sync"]["rate"] > 0  # MB/s: the copy engine really received tensors
     assert result["summary"]["measured_steps"] == 1
+    # MFU: a measured peak, FLOPs for every phase that ran (the KL term adds one reference pass), and the
+    # decode count is the formula's for the 8 completions of exactly 8 tokens.
+    from bench.flops import DecoderShape, decode_flops
+
+    mfu = result["mfu"]
+    assert mfu["peak_flops_per_s"] > 1e8 and len(mfu["peaks"]) == 2
+    call = result["steps"][1]["calls"][0]
+    prompt_lengths = [len(prompt) for prompt in call["prompts"] for _ in range(call["group"])]
+    assert mfu["summary"]["decode"]["flops"] == decode_flops(DecoderShape(**result["shape"]), prompt_lengths, [8] * 8)
+    for phase in ("prefill", "decode", "logprob", "update", "step"):
+        assert mfu["summary"][phase]["flops"] > 0 and 0 < mfu["summary"][phase]["mfu"] < 1, phase
+    # forward + backward is 3 forwards; the one reference pass is 1.
+    assert mfu["summary"]["update"]["flops"] == 3 * mfu["summary"]["logprob"]["flops"]
 
 
 def test_step_default_path_skips_logprob_and_sync(tmp_path):
@@ -150,3 +163,72 @@ def test_gpu_script_on_cpu_tiny(tmp_path):
     # ratio moved between 0.0 and 0.71 from run to run (allocator reuse; the target lives in bench.logprobs).
     assert math.isfinite(memory["peak_ratio_no_grad"]) and memory["peak_ratio_no_grad"] >= 0
     assert result["rollout"]["hf_rollout"]["generated_tokens"] == 2 * 2 * 4
+
+
+@pytest.mark.parametrize("arch, tie", [("llama", False), ("qwen3", True)])
+def test_phase_flops_equal_torch_flop_counter_plus_attention(arch, tie):
+    """bench.flops against torch's FlopCounterMode, which counts every matmul of a real pass (and not the CPU
+    attention kernel): prefill, one decode step and a packed logprob pass; the attention terms by hand."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from bench.flops import DecoderShape, decode_flops, logprob_pass_flops, prefill_flops
+    from models.batching import pad_batch
+    from models.logprobs import completion_logprobs
+    from models.tiny import tiny_model
+
+    model = tiny_model(arch, tie_word_embeddings=tie)
+    shape = DecoderShape.of(model)
+    # hidden 64, MLP 128, 4 heads x 16, 2 key/value heads, 2 layers: q, o 64x64; k, v 32x64; 3 MLP 128x64.
+    assert shape.body_params == 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 128 * 64)
+    attention = lambda positions: 4 * 2 * 4 * 16 * sum(positions)  # 4 L h d_h p per token at position p
+
+    def counted(run) -> int:
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            run()
+        return counter.get_total_flops()
+
+    prompt = torch.randint(3, 1000, (1, 7))
+    assert prefill_flops(shape, [7]) == counted(lambda: model(input_ids=prompt, logits_to_keep=1)) + attention(range(1, 8))
+    cache = model(input_ids=prompt, use_cache=True).past_key_values
+    # Completions of 2 tokens after a 7-token prompt: one decode pass, feeding token 1 at position 8.
+    one_step = counted(lambda: model(input_ids=prompt[:, :1], past_key_values=cache, use_cache=True, logits_to_keep=1))
+    assert decode_flops(shape, [7, 7], [2, 1]) == one_step + attention([8])
+    batch = pad_batch([[5, 6, 7, 8, 9]] * 2, [[10, 11, 12], [13, 14]], pad_id=2)
+    packed_pass = counted(lambda: completion_logprobs(model, batch, packed=True))
+    # The packed pass feeds 5 + 2 + 1 tokens and projects 5 completion positions, plus the model's own head on
+    # one position (logits_to_keep=1, unused): 2 V d more than the formula counts.
+    expected = logprob_pass_flops(shape, [5], [5, 5], [3, 2])
+    assert expected == packed_pass - 2 * shape.vocab * 64 + attention(range(1, 6)) + attention([6, 7]) + attention([6])
+
+
+def test_generate_quick_counts_every_token(tmp_path):
+    """HFEngine and model.generate on the embedded model, 2 task prompts x G=2 x 8 tokens, no EOS: both sides
+    produce exactly 32 tokens."""
+    from bench.generate import main
+
+    out = tmp_path / "generate.json"
+    assert main(["--quick", "--task-prompts", "--group", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["hf_engine"]["tokens"] == result["model_generate"]["tokens"] == 2 * 2 * 8
+    assert result["hf_engine"]["tokens_per_s"] > 0 and result["model_generate"]["tokens_per_s"] > 0
+    assert min(result["settings"]["prompt_lengths"]) > 100  # the ~200-token task prompts
+
+
+def test_packed_quick_passes_agree(tmp_path):
+    """The four update passes on a tiny model: same logprobs as the padded pass (1e-5), and the packed row
+    holds each distinct prompt once plus every completion but its last token."""
+    from bench.packed import PASSES, main
+
+    out = tmp_path / "packed.json"
+    assert main(["--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    passes, settings = result["passes"], result["settings"]
+    lengths = settings["completion_lengths"]
+    assert len(lengths) == 2 * 4 and min(lengths) >= 8 and max(lengths) <= 32
+    for name in PASSES:
+        assert passes[name]["max_abs_logprob_diff_vs_padded"] < 1e-5 and len(passes[name]["seconds"]) == 1
+    assert passes["padded"]["tokens"] == 8 * (settings["prompt_len"] + max(lengths))
+    assert passes["packed"]["tokens"] == passes["block mask"]["tokens"] < passes["shared"]["tokens"]
+    # Each distinct prompt at its own length once, each completion without its last token.
+    assert passes["packed"]["tokens"] == sum(settings["prompt_lengths"]) + sum(lengths) - 8
+    assert passes["shared"]["tokens"] == 2 * settings["prompt_len"] + 8 * max(lengths)

@@ -67,7 +67,9 @@ def test_update_weights_copies_by_name_unless_shared(tokenizer):
 def test_each_prompt_is_prefilled_once(tokenizer):
     model = tiny_model()
     batch_shapes = []
-    model.model.register_forward_hook(lambda module, args, output: batch_shapes.append(tuple(output.last_hidden_state.shape)))
+    # The embedding sees every forward: the prefill (the decoder's forward) and each decode step (which runs the
+    # decoder's modules itself, rollout.decode_step).
+    model.model.embed_tokens.register_forward_hook(lambda module, args, output: batch_shapes.append(tuple(output.shape)))
     completions = sample(HFEngine(model, tokenizer, eos_token_ids=[]), n=3, max_new_tokens=2)
     # The 2 prompts (left-padded to 4) run once; their caches then serve 3 rows each.
     assert batch_shapes == [(2, 4, 64), (6, 1, 64)]
@@ -98,7 +100,7 @@ def test_out_of_memory_is_reraised_with_the_batch_size(tokenizer, monkeypatch):
     def exhausted(*args, **kwargs):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
 
-    monkeypatch.setattr(model, "forward", exhausted)
+    monkeypatch.setattr(model.model.embed_tokens, "forward", exhausted)  # the first module every pass runs
     with pytest.raises(RuntimeError, match="out of memory while generating 4 sequences of up to 6 new tokens: "
                                            "pass fewer prompts per generate call"):
         sample(HFEngine(model, tokenizer))
@@ -118,7 +120,7 @@ def test_an_fsdp_sharded_model_is_refused(tokenizer):
 def test_generation_runs_at_one_thread_and_restores_the_callers(tokenizer):
     model = tiny_model()
     seen = []
-    model.register_forward_pre_hook(lambda module, args: seen.append(torch.get_num_threads()))
+    model.model.embed_tokens.register_forward_pre_hook(lambda module, args: seen.append(torch.get_num_threads()))
     torch.set_num_threads(2)
     try:
         sample(HFEngine(model, tokenizer, num_threads=1))
