@@ -276,11 +276,10 @@ def run_steps(overrides: list[str], *, sync: str = "shared", no_eos: bool = Fals
             memory.close()
         wall = time.perf_counter() - started
         steps = [_step_report(record, memory, step, cfg.algorithm.ppo_epochs) for step, record in enumerate(generated)]
-        logprob_passes = int(cfg.algorithm.ppo_epochs > 1) + int(parts.ref_model is not None
-                                                                 or bool(parts.reference_from_adapters))
+        logprob_passes = int(cfg.algorithm.ppo_epochs > 1) + int(parts.reference_logprobs is not None)
         return {"steps": steps, "wall_seconds": wall, "started_at": started, "started_cpu": started_cpu,
                 "peak_reset": memory.peak_reset, "ppo_epochs": cfg.algorithm.ppo_epochs, "kl_coef": cfg.algorithm.kl_coef,
-                "shape": DecoderShape.of(parts.model).__dict__, "micro_batch_size": cfg.trainer.micro_batch_size,
+                "shape": DecoderShape.of(parts.policy.model).__dict__, "micro_batch_size": cfg.trainer.micro_batch_size,
                 "logprob_passes": logprob_passes}
     finally:
         shutdown(dist)

@@ -174,7 +174,7 @@ def test_phase_flops_equal_torch_flop_counter_plus_attention(arch, tie):
     from bench.flops import DecoderShape, decode_flops, logprob_pass_flops, prefill_flops
     from models.batching import pad_batch
     from models.logprobs import completion_logprobs
-    from models.tiny import tiny_model
+    from tiny import tiny_model
 
     model = tiny_model(arch, tie_word_embeddings=tie)
     shape = DecoderShape.of(model)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from models.batching import pad_batch
 from models.logprobs import completion_logprobs, prompt_groups
 from models.packing import _segment_attention, flash_varlen_attention, pack_batch, segment_mask, varlen_layout
-from models.tiny import tiny_model
+from tiny import tiny_model
 
 
 def test_pack_batch_layout_by_hand():

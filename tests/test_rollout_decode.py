@@ -10,7 +10,7 @@ import torch
 from models import load_tokenizer
 from models.batching import pad_batch
 from models.logprobs import completion_logprobs
-from models.tiny import tiny_model
+from tiny import tiny_model
 from rollout.decode_step import supports_decode_step
 from rollout.hf_engine import HFEngine
 from rollout.kv_cache import preallocated_cache
