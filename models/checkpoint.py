@@ -4,7 +4,8 @@ and a small trainer-state JSON, so that a resumed run continues exactly.
 
 A checkpoint is written into a hidden temporary sibling directory and renamed into place after a completion
 marker (listing every file and its size) is written last; a crash mid-save leaves at most a hidden partial
-directory that `latest_checkpoint` never returns. Layout of `step_<n>/`:
+directory that `latest_checkpoint` never returns; a write that fails (a full disk, a file size limit) removes its
+partial directory and raises CheckpointWriteError naming the path and the bytes needed. Layout of `step_<n>/`:
     model.safetensors, config.json, generation_config.json, tokenizer files   (rank 0)
     optimizer/                 torch.distributed.checkpoint files             (every rank)
     rng/rank_<r>.safetensors   torch / CUDA / generator states; rng/rank_<r>.json: python and numpy states
@@ -155,6 +156,39 @@ def _load_full_model(directory: Path, model: torch.nn.Module, payload: None) -> 
 FULL_MODEL = WeightsFormat(write=_write_full_model, read=_check_full_model, load=_load_full_model)
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, a file size limit, ...); its partial directory is gone and
+    the checkpoints written before are untouched."""
+
+
+def estimated_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, weights: WeightsFormat) -> tuple[int, int]:
+    """(weight bytes, optimizer-state bytes) a checkpoint needs, from the tensors' sizes (a DTensor shard counts as
+    its whole tensor: every rank's shards together are written). The adapter alone for LoRA (trainable weights)."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
+                       if weights is FULL_MODEL or p.requires_grad)
+    state_bytes = 0 if optimizer is None else sum(value.numel() * value.element_size()
+                                                  for state in optimizer.state.values() for value in state.values()
+                                                  if isinstance(value, torch.Tensor))
+    return weight_bytes, state_bytes
+
+
+def _fresh_directory(partial: Path) -> None:
+    shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash
+    partial.mkdir(parents=True)
+
+
+def _seal(partial: Path, final: Path, step: int, extra_json: str, weights: WeightsFormat, has_optimizer: bool) -> None:
+    """Rank 0: trainer state, fsync every file, then the COMPLETE marker, then the rename into place."""
+    state = {"step": int(step), "world_size": fsdp.world_size(), "has_optimizer": has_optimizer, **weights.state}
+    (partial / STATE).write_text(json.dumps({**state, "extra": json.loads(extra_json)}, indent=1) + "\n")
+    files = {str(path.relative_to(partial)): path.stat().st_size for path in sorted(partial.rglob("*")) if path.is_file()}
+    for relative in files:
+        _fsync_file(partial / relative)
+    (partial / MARKER).write_text(json.dumps({"step": int(step), "files": files}, indent=1) + "\n")
+    _fsync_file(partial / MARKER)
+    _replace_directory(partial, final)
+
+
 def save_checkpoint(
     directory: str | os.PathLike,
     model: torch.nn.Module,
@@ -171,31 +205,45 @@ def save_checkpoint(
     rng: a generator of the trainer's own to save besides the global torch / CUDA / python / numpy RNGs.
     extra: JSON-serialisable trainer state (data position, scheduler state, ...), returned by load_checkpoint.
     weights: what is written for the model (the whole HF model unless models.lora asks for its adapter).
+    A write that fails on any rank (disk full, file too large) raises CheckpointWriteError on every rank, naming
+    the path and the bytes needed, after the partial directory is removed; earlier checkpoints stay as they were.
     """
     final = Path(directory)
     partial = final.parent / f".{final.name}.partial"
     extra_json = json.dumps(extra if extra is not None else {})  # fail before writing if not serialisable
     is_rank0 = fsdp.rank() == 0
-    if is_rank0:
-        shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash
-        partial.mkdir(parents=True)
-    fsdp.barrier()
-    weights.write(partial, model, tokenizer)
-    if optimizer is not None:
-        fsdp.save_optimizer_state(str(partial / "optimizer"), model, optimizer)
-    _write_rng(partial, rng)
-    fsdp.barrier()
-    if is_rank0:
-        state = {"step": int(step), "world_size": fsdp.world_size(), "has_optimizer": optimizer is not None, **weights.state}
-        (partial / STATE).write_text(json.dumps({**state, "extra": json.loads(extra_json)}, indent=1) + "\n")
-        files = {str(path.relative_to(partial)): path.stat().st_size for path in sorted(partial.rglob("*")) if path.is_file()}
-        for relative in files:
-            _fsync_file(partial / relative)
-        (partial / MARKER).write_text(json.dumps({"step": int(step), "files": files}, indent=1) + "\n")
-        _fsync_file(partial / MARKER)
-        _replace_directory(partial, final)
-    fsdp.barrier()
+    stages = [  # each ends with every rank learning whether any rank failed, so none waits in a collective
+        ("the directory", lambda: _fresh_directory(partial) if is_rank0 else None),
+        (f"the {weights.noun}", lambda: weights.write(partial, model, tokenizer)),
+        ("the optimizer state", lambda: optimizer is not None and fsdp.save_optimizer_state(
+            str(partial / "optimizer"), model, optimizer)),
+        ("the random number generator states", lambda: _write_rng(partial, rng)),
+        ("the completion marker", lambda: _seal(partial, final, step, extra_json, weights, optimizer is not None) if is_rank0 else None),
+    ]
+    for what, stage in stages:
+        error = None
+        try:
+            stage()
+        except Exception as caught:  # OSError, safetensors' own error type, a DCP CheckpointException, ...
+            error = caught
+        failure = fsdp.first_error(error)
+        if failure is not None:
+            if is_rank0:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise _write_error(final, what, failure, estimated_bytes(model, optimizer, weights), weights) from error
     return final
+
+
+def _write_error(final: Path, what: str, failure: tuple[int, str], sizes: tuple[int, int],
+                 weights: WeightsFormat) -> CheckpointWriteError:
+    rank, message = failure
+    needed = sum(sizes)
+    free = shutil.disk_usage(final.parent).free if final.parent.exists() else 0
+    return CheckpointWriteError(
+        f"writing checkpoint {final} failed on rank {rank} while writing {what}: {message}. It needs about "
+        f"{needed:,} bytes ({needed / 2**20:.1f} MiB: {sizes[0]:,} of {weights.noun} + {sizes[1]:,} of optimizer "
+        f"state); {free:,} bytes are free under {final.parent}. The partial directory was removed; earlier "
+        f"checkpoints are intact")
 
 
 def _replace_directory(partial: Path, final: Path) -> None:
@@ -216,17 +264,22 @@ def is_complete(directory: str | os.PathLike) -> bool:
     return (Path(directory) / MARKER).is_file()
 
 
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The complete `step_<n>` directory with the largest n under run_dir/checkpoints (or run_dir itself
-    when it has no checkpoints/ folder); None when there is none. Partial saves are never returned."""
+def complete_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, directory) of every complete `step_<n>` under run_dir/checkpoints (or run_dir itself when it has no
+    checkpoints/ folder), by step. Partial saves are never listed."""
     root = Path(run_dir)
     if (root / "checkpoints").is_dir():
         root = root / "checkpoints"
     if not root.is_dir():
-        return None
-    steps = [(int(match.group(1)), path) for path in root.iterdir()
-             if (match := _STEP_DIR.match(path.name)) and path.is_dir() and is_complete(path)]
-    return max(steps)[1] if steps else None
+        return []
+    return sorted((int(match.group(1)), path) for path in root.iterdir()
+                  if (match := _STEP_DIR.match(path.name)) and path.is_dir() and is_complete(path))
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The complete `step_<n>` directory with the largest n (complete_checkpoints); None when there is none."""
+    complete = complete_checkpoints(run_dir)
+    return complete[-1][1] if complete else None
 
 
 def _verify(directory: Path, model: torch.nn.Module, optimizer, weights: WeightsFormat) -> tuple[Any, Exception | None]:

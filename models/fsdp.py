@@ -55,6 +55,17 @@ def raise_on_all_ranks(error: Exception | None) -> None:
         raise error if error is not None else kind(message[1])
 
 
+def first_error(error: BaseException | None) -> tuple[int, str] | None:
+    """Every rank calls it with its own error (or None): (rank, message) of the lowest rank that failed, on every
+    rank, or None when none did. A collective, so a rank that failed alone does not leave the others waiting."""
+    message = None if error is None else f"{type(error).__name__}: {error}"
+    if not is_distributed():
+        return None if message is None else (0, message)
+    messages = [None] * world_size()
+    dist.all_gather_object(messages, message)
+    return next(((index, text) for index, text in enumerate(messages) if text is not None), None)
+
+
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated transformer blocks, found by the class names HF lists in `_no_split_modules`."""
     names = set(getattr(model, "_no_split_modules", None) or [])
