@@ -53,23 +53,50 @@ class Scores:
 @dataclass(frozen=True)
 class Scorer:
     """Everything scoring needs besides the completions: the registry's compute_score, the tokenizer's prefix
-    decoder (for sentence spans), the sentence coefficient lambda and the correctness threshold."""
+    decoder (for sentence spans), the sentence coefficient lambda and the correctness threshold.
+
+    compute_scores, when given, scores many calls at once (launch/reward_pool.py: worker processes, a timeout per
+    call): calls -> one outcome per call, the result or the exception of a call that failed (None for a call
+    not made after a failure). Without it the calls are made one at a time with compute_score."""
     compute_score: Callable
     decode_prefixes: Callable[[Sequence[int]], list[str]]  # ids -> [decode(ids[:k]) for k in 0..len(ids)]
     sentence_coef: float = 1.0
     correct_threshold: float = 0.5
+    compute_scores: Callable[[list[tuple]], list] | None = None
+
+    @staticmethod
+    def _call(row: dict, text: str) -> tuple:
+        """compute_score's arguments for one completion of `row` (verl's signature)."""
+        return row["data_source"], text, row.get("reward_model", {}).get("ground_truth"), row.get("extra_info")
+
+    @staticmethod
+    def _checked(outcome, row: dict, position: int) -> dict:
+        """The reward's result as a dict with a float "score"; an error raised with the row named."""
+        if isinstance(outcome, BaseException):
+            index = row.get("extra_info", {}).get("index", position)
+            raise RuntimeError(f"reward {row.get('data_source')!r} failed on row index {index}: {outcome}") from outcome
+        result = dict(outcome) if isinstance(outcome, dict) else {"score": float(outcome)}
+        result["score"] = float(result["score"])
+        return result
 
     def result(self, row: dict, text: str, position: int = 0) -> dict:
         """The reward function's result for one completion of `row`, always a dict with a float "score"."""
-        ground_truth = row.get("reward_model", {}).get("ground_truth")
         try:
-            result = self.compute_score(row["data_source"], text, ground_truth, row.get("extra_info"))
+            outcome = self.compute_score(*self._call(row, text))
         except Exception as error:
-            index = row.get("extra_info", {}).get("index", position)
-            raise RuntimeError(f"reward {row.get('data_source')!r} failed on row index {index}: {error}") from error
-        result = dict(result) if isinstance(result, dict) else {"score": float(result)}
-        result["score"] = float(result["score"])
-        return result
+            outcome = error
+        return self._checked(outcome, row, position)
+
+    def results(self, texts: Sequence[str], rows: Sequence[dict]) -> list[dict]:
+        """result() for each completion; all at once through compute_scores when given. A failure raises for the
+        first failed completion."""
+        if self.compute_scores is None:
+            return [self.result(row, text, b) for b, (text, row) in enumerate(zip(texts, rows))]
+        outcomes = self.compute_scores([self._call(row, text) for text, row in zip(texts, rows)])
+        for b, outcome in enumerate(outcomes):
+            if isinstance(outcome, BaseException):
+                self._checked(outcome, rows[b], b)
+        return [self._checked(outcome, row, b) for b, (outcome, row) in enumerate(zip(outcomes, rows))]
 
     def score(self, texts: Sequence[str], completion_ids: Sequence[Sequence[int]], rows: Sequence[dict]) -> Scores:
         """texts, completion_ids, rows: B aligned entries (row b is the prompt row of completion b).
@@ -82,8 +109,7 @@ class Scorer:
         width = max((len(ids) for ids in completion_ids), default=0)
         token_shaping = torch.zeros(len(texts), width)
         rewards, correct, components = [], [], {}
-        for b, (text, ids, row) in enumerate(zip(texts, completion_ids, rows)):
-            result = self.result(row, text, b)
+        for b, (ids, result) in enumerate(zip(completion_ids, self.results(texts, rows))):
             rewards.append(result["score"])
             correct.append(correctness(result, result["score"], self.correct_threshold))
             for key, value in result.items():

@@ -19,3 +19,20 @@ def vowel_sentences(data_source, solution_str, ground_truth, extra_info=None):
 def constant(data_source, solution_str, ground_truth, extra_info=None):
     """Every completion scores 0.7: every group is flat, so there is no learning signal at all."""
     return 0.7
+
+
+def sleeps_on_row(data_source, solution_str, ground_truth, extra_info=None):
+    """vowel_fraction, except that row index 5 never returns (a hung reward service) and row index 6 kills its own
+    process (a reward that crashes its worker); ground_truth "slow" sleeps 0.5 s first (a slow remote judge)."""
+    import os
+    import signal
+    import time
+    index = (extra_info or {}).get("index")
+    if index == 5:
+        while True:
+            time.sleep(60)
+    if index == 6:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if ground_truth == "slow":
+        time.sleep(0.5)
+    return vowel_fraction(data_source, solution_str, ground_truth, extra_info)

@@ -1,0 +1,228 @@
+"""Reward calls in worker processes (reward.num_workers): a step's completions are scored concurrently, a call that
+runs past reward.timeout_s is abandoned (its worker killed, a new one started for the next call) and a worker that
+dies is an error naming its process and exit code. grpo.scoring.Scorer stays the one place a completion is scored:
+it receives this pool as its `compute_score` (one call) and `compute_scores` (a batch), and names the row.
+
+Workers are started by a fork server ("forkserver"): forking the training process, which holds torch threads, a
+process group or CUDA, is not safe; the fork server is a fresh single-threaded process that imports the rewards
+once (and no torch), so starting or replacing a worker then takes milliseconds, not a new interpreter's seconds.
+Each worker rebuilds the reward registry from the config, as the training process did (reward.functions by path,
+the corpus index through the environment, the factqa_corpus extractor), and reports at start-up which function
+each data source resolves to; a difference from this process (a reward registered in code only, which a new
+process cannot see) fails at start-up instead of scoring with another function.
+"""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import multiprocessing.connection
+import signal
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a worker imports this module: it stays free of torch (grpo.config imports it)
+    from grpo.config import RewardConfig
+
+START_TIMEOUT_S = 300.0  # a worker imports the rewards (and, for a model triple extractor, loads an LM)
+
+
+class RewardWorkerError(RuntimeError):
+    """A reward worker died, or a reward raised inside one (its traceback is attached as a note)."""
+
+
+class RewardTimeout(TimeoutError):
+    """A reward call ran past reward.timeout_s."""
+
+
+def function_identity(function) -> str:
+    """module.qualname: what a data source resolves to, comparable across processes."""
+    return f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', repr(function))}"
+
+
+def _serve(connection, reward: dict, data_sources: list[str]) -> None:
+    """A worker's life: rebuild the registry from the reward section (as a dict: unpickling a RewardConfig would
+    import torch), report it, then score calls until told to stop (None) or the training process is gone (EOF)."""
+    # Ctrl-C and a scheduler's SIGTERM reach the whole process group: the training process finishes its step
+    # (which may still need this worker) and then closes the pool.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    import rewards
+    try:
+        for data_source, dotted in reward["functions"].items():
+            rewards.register(data_source, rewards.get_reward(dotted), overwrite=True)
+        identities = {source: function_identity(rewards.get_reward(source)) for source in data_sources}
+        if (reward["triple_extractor"], reward["cooccurrence_semantics"]) != ("rule", "engine"):
+            from grpo.config import RewardConfig  # not the registered default: build it here too
+            from launch.triples import install_factqa_reward
+            install_factqa_reward(RewardConfig(**reward))
+    except Exception as error:
+        connection.send(("error", f"{type(error).__name__}: {error}", traceback.format_exc()))
+        return
+    connection.send(("ready", identities, ""))
+    while True:
+        try:
+            call = connection.recv()
+        except EOFError:
+            return
+        if call is None:
+            return
+        try:
+            outcome = ("ok", rewards.compute_score(*call), "")
+        except Exception as error:
+            outcome = ("error", f"{type(error).__name__}: {error}", traceback.format_exc())
+        connection.send(outcome)
+
+
+@dataclass
+class _Worker:
+    process: multiprocessing.Process
+    connection: object  # multiprocessing.connection.Connection
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.join()
+        self.connection.close()
+
+
+def _remote_error(message: str, remote_traceback: str) -> RewardWorkerError:
+    error = RewardWorkerError(message)
+    error.add_note(f"in the reward worker:\n{remote_traceback}")
+    return error
+
+
+class RewardPool:
+    """reward.num_workers processes scoring (data_source, solution_str, ground_truth, extra_info) calls."""
+
+    def __init__(self, reward: RewardConfig, data_sources: Sequence[str]):
+        self.reward, self.data_sources = reward, sorted(set(data_sources))
+        self.context = multiprocessing.get_context("forkserver")
+        # The fork server imports the rewards once (not the main module, which may import torch and CUDA).
+        self.context.set_forkserver_preload(["rewards", "launch.reward_pool"])
+        self.workers: list[_Worker | None] = [None] * reward.num_workers
+
+    def start(self) -> dict[str, str]:
+        """Start every worker (in parallel) and return {data_source: function identity} as the workers see it."""
+        identities = {}
+        for worker in self._spawn_missing():
+            identities = self._await_ready(worker)
+        return identities
+
+    def _spawn_missing(self) -> list[_Worker]:
+        started = []
+        for slot, worker in enumerate(self.workers):
+            if worker is None or not worker.process.is_alive():
+                here, there = self.context.Pipe()
+                process = self.context.Process(target=_serve, args=(there, dataclasses.asdict(self.reward), self.data_sources),
+                                               name=f"reward-worker-{slot}", daemon=True)
+                process.start()
+                there.close()  # the worker holds its end: EOF here means the worker is gone
+                self.workers[slot] = _Worker(process, here)
+                started.append(self.workers[slot])
+        return started
+
+    def _await_ready(self, worker: _Worker) -> dict[str, str]:
+        if not worker.connection.poll(START_TIMEOUT_S):
+            raise RewardWorkerError(f"reward worker pid {worker.process.pid} did not start within {START_TIMEOUT_S:g} s")
+        try:
+            status, payload, remote_traceback = worker.connection.recv()
+        except EOFError:
+            worker.process.join()
+            raise RewardWorkerError(f"reward worker pid {worker.process.pid} died while starting "
+                                    f"(exit code {worker.process.exitcode})") from None
+        if status != "ready":
+            from launch.config import ConfigError
+            raise ConfigError(f"reward.num_workers: a reward worker could not set up the rewards: {payload}")
+        return payload
+
+    def compute_score(self, data_source, solution_str, ground_truth, extra_info=None):
+        """One call, as rewards.compute_score: the result, or the call's error raised."""
+        outcome = self.compute_scores([(data_source, solution_str, ground_truth, extra_info)])[0]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def compute_scores(self, calls: Sequence[tuple]) -> list:
+        """One outcome per call, in order: the reward's result, or the exception of a call that failed (the reward
+        raised, its worker died, or it ran past reward.timeout_s). After the first failure no call is started and
+        the calls in flight are abandoned (their workers killed): their outcomes stay None."""
+        for worker in self._spawn_missing():  # replaces workers killed or dead since the last call
+            self._await_ready(worker)
+        outcomes: list = [None] * len(calls)
+        waiting = list(range(len(calls)))[::-1]
+        busy: dict[int, tuple[int, float]] = {}  # worker slot -> (call index, deadline)
+        limit = self.reward.timeout_s if self.reward.timeout_s is not None else float("inf")
+        failed = False
+        while busy or (waiting and not failed):
+            for slot, worker in enumerate(self.workers):
+                if slot not in busy and waiting and not failed:
+                    index = waiting.pop()
+                    try:
+                        worker.connection.send(calls[index])
+                    except (BrokenPipeError, OSError):
+                        pass  # the worker is gone: found below, as a death while scoring this call
+                    busy[slot] = (index, time.monotonic() + limit)
+            nearest = min(deadline for _, deadline in busy.values())
+            handles = [self.workers[s].connection for s in busy] + [self.workers[s].process.sentinel for s in busy]
+            multiprocessing.connection.wait(handles, timeout=None if nearest == float("inf")
+                                            else max(0.0, nearest - time.monotonic()))
+            for slot, (index, deadline) in list(busy.items()):
+                outcome = self._outcome(slot, deadline)
+                if outcome is not _PENDING:
+                    outcomes[index] = outcome
+                    del busy[slot]
+                    failed = failed or isinstance(outcome, BaseException)
+            if failed:
+                for slot in busy:  # abandoned: the run ends with the first error
+                    self.workers[slot].stop()
+                    self.workers[slot] = None
+                busy.clear()
+        return outcomes
+
+    def _outcome(self, slot: int, deadline: float):
+        """The finished call's result or error, or _PENDING while it runs within its deadline."""
+        worker = self.workers[slot]
+        if worker.connection.poll():
+            try:
+                status, payload, remote_traceback = worker.connection.recv()
+                return payload if status == "ok" else _remote_error(payload, remote_traceback)
+            except (EOFError, OSError):
+                return self._died(slot)
+        if not worker.process.is_alive():
+            return self._died(slot)
+        if time.monotonic() >= deadline:
+            worker.stop()
+            self.workers[slot] = None
+            return RewardTimeout(f"no result within reward.timeout_s={self.reward.timeout_s:g} s: the call was "
+                                 f"abandoned and its worker (pid {worker.process.pid}) killed; a new worker is "
+                                 f"started for the next call")
+        return _PENDING
+
+    def _died(self, slot: int) -> RewardWorkerError:
+        worker = self.workers[slot]
+        worker.process.join()
+        worker.connection.close()
+        self.workers[slot] = None
+        code = worker.process.exitcode
+        name = f", {signal.Signals(-code).name}" if code is not None and code < 0 else ""
+        return RewardWorkerError(f"reward worker pid {worker.process.pid} died while scoring (exit code {code}{name}); "
+                                 "a new worker is started for the next call")
+
+    def close(self) -> None:
+        """Ask every worker to stop; kill those that do not within 5 s."""
+        for worker in self.workers:
+            if worker is not None and worker.process.is_alive():
+                try:
+                    worker.connection.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        for slot, worker in enumerate(self.workers):
+            if worker is not None:
+                worker.process.join(5.0)
+                worker.stop()
+                self.workers[slot] = None
+
+
+_PENDING = object()
