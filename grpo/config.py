@@ -3,10 +3,13 @@ field that takes them. Recipes (launch/configs/*.yaml) and `key.sub=value` overr
 launch/config.py; the loops in grpo/ receive it as it is.
 
 The choice lists are the math's own (grpo/advantages.py, grpo/losses.py, grpo/schedule.py), so a value the
-schema accepts is one the math knows.
+schema accepts is one the math knows. Every numeric field declares its valid range here, once, with `bounded`
+(`trainer.steps=-1` or `rollout.top_p=1.5` is refused when the recipe is read, naming the key, the value and
+the range); checks that relate two fields (a micro-batch that divides the batch) live in launch/build.py.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from grpo.advantages import SCALES
@@ -17,6 +20,7 @@ STAGES = ("rl", "sft")
 DTYPES = ("float32", "bfloat16")
 ATTENTIONS = ("auto", "sdpa", "eager", "flash_attention_2")
 ENGINES = ("hf", "vllm")
+RESUMES = ("never", "auto", "always")
 
 
 def choice(default: str, choices: tuple[str, ...]):
@@ -24,16 +28,59 @@ def choice(default: str, choices: tuple[str, ...]):
     return field(default=default, metadata={"choices": choices})
 
 
+@dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric field: finite, and within [low, high] (an open end excludes the bound;
+    None is unbounded on that side).
+
+    >>> str(Range(0, 1, high_open=True)), str(Range(low=1)), str(Range(0, low_open=True)), str(Range())
+    ('in [0, 1)', '>= 1', '> 0', 'a finite number')
+    >>> Range(0, 1).contains(1.0), Range(0, 1, high_open=True).contains(1.0), Range().contains(math.nan)
+    (True, False, False)
+    """
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def contains(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
+            return False
+        return self.high is None or (value < self.high or (not self.high_open and value == self.high))
+
+    def __str__(self) -> str:
+        if self.low is not None and self.high is not None:
+            return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        if self.high is not None:
+            return f"{'<' if self.high_open else '<='} {self.high:g}"
+        return "a finite number"
+
+
+def bounded(default, low: float | None = None, high: float | None = None, *, low_open: bool = False,
+            high_open: bool = False):
+    """A numeric field (int, float, an optional one, or a list of numbers: each element) whose value must lie in
+    Range(low, high, ...); launch/config.py checks it when a recipe is read. None, where the type allows it,
+    is always accepted (it means "off")."""
+    metadata = {"range": Range(low, high, low_open, high_open)}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class LoraConfig:
     enabled: bool = False
     """Train LoRA adapters (peft) instead of all weights; the reference model is then the policy with its
     adapters disabled (no second model), and the engine receives merged weights."""
-    rank: int = 16
+    rank: int = bounded(16, 1)
     """LoRA rank r (the published factual-QA runs used 128)."""
-    alpha: float = 32.0
+    alpha: float = bounded(32.0, 0, low_open=True)
     """LoRA alpha; the update is scaled by alpha / rank (published: 256)."""
-    dropout: float = 0.0
+    dropout: float = bounded(0.0, 0, 1, high_open=True)
     """Dropout on the adapter input."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                "gate_proj", "up_proj", "down_proj"])
@@ -56,7 +103,7 @@ class ModelConfig:
     """Recompute activations in backward to save memory."""
     trust_remote_code: bool = False
     """Run code shipped with a model directory. Off unless you trust it."""
-    logprob_chunk_size: int = 1024
+    logprob_chunk_size: int = bounded(1024, 1)
     """Completion positions projected to the vocabulary at once in logprob passes (bounds peak memory)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (off by default)."""
@@ -68,11 +115,11 @@ class DataConfig:
     """Row files (JSONL or Parquet, verl format) to train on."""
     eval_files: list[str] = field(default_factory=list)
     """Held-out row files scored greedily at the start and the end of the run."""
-    eval_size: int = 0
+    eval_size: int = bounded(0, 0)
     """Rows taken from eval_files (0: all)."""
     shuffle: bool = True
     """Shuffle training rows every epoch (seeded)."""
-    max_prompt_tokens: int = 1024
+    max_prompt_tokens: int = bounded(1024, 1)
     """Prompts longer than this fail at start-up, naming the row."""
 
 
@@ -80,12 +127,12 @@ class DataConfig:
 class RewardConfig:
     functions: dict[str, str] = field(default_factory=dict)
     """Extra reward functions: {data_source: "package.module:function"} registered before training."""
-    sentence_coef: float = 1.0
+    sentence_coef: float = bounded(1.0, 0)
     """lambda of the sentence-level shaping G_i(t) = R_i + lambda * r_sent (only for rewards with sentences)."""
     corpus_index: str | None = None
     """infini-gram index directory for the factqa_corpus reward (python -m rewards.corpus build --input
     corpus.jsonl --out DIR); exported to the reward as NANOGRPO_CORPUS_INDEX."""
-    correct_threshold: float = 0.5
+    correct_threshold: float = bounded(0.5)
     """A completion counts as correct (for accuracy and DAPO's filter) when its `acc` component, or else its
     score, is at least this."""
     triple_extractor: str = "rule"
@@ -95,39 +142,49 @@ class RewardConfig:
     triple_extractor_model: str | None = None
     """The extractor LM for triple_extractor=model: a local HF directory or a cached org/name; null is the
     embedded SmolLM2-135M-Instruct."""
-    triple_extractor_max_new_tokens: int = 48
+    triple_extractor_max_new_tokens: int = bounded(48, 1)
     """Greedy tokens the extractor LM may write per sentence (one `head | relation | tail` line)."""
     cooccurrence_semantics: str = "engine"
     """factqa_corpus window definition: engine (infini-gram's count_cnf, what the paper's count thresholds
     were calibrated on) or document (each side checked within the document; README, "Corpus counts")."""
+    num_workers: int = bounded(0, 0)
+    """Reward worker processes: a step's completions are scored concurrently, so a slow reward does not
+    serialize the step, and a hung one can be abandoned (reward.timeout_s). 0 scores in the training process.
+    Workers re-register reward.functions by path; a reward registered in code only cannot be used with them."""
+    timeout_s: float | None = bounded(None, 0, low_open=True)
+    """Seconds one reward call may take before the run ends with an error naming the row (its worker is
+    killed and replaced); null waits forever. Needs reward.num_workers >= 1."""
 
 
 @dataclass
 class RolloutConfig:
     engine: str = choice("hf", ENGINES)
     """hf (transformers; CPU and tests) or vllm (colocated, one replica per rank)."""
-    n: int = 4
+    n: int = bounded(4, 1)
     """G: completions per prompt."""
-    max_new_tokens: int = 64
+    max_new_tokens: int = bounded(64, 1)
     """Response length limit."""
-    temperature: float = 1.0
+    temperature: float = bounded(1.0, 0, low_open=True)
     """Sampling temperature; the trainer's logprobs use the same temperature."""
-    top_p: float = 1.0
+    top_p: float = bounded(1.0, 0, 1, low_open=True)
     """Nucleus sampling; < 1 biases the importance ratio (the trainer does not truncate)."""
-    top_k: int = 0
+    top_k: int = bounded(0, 0)
     """Top-k sampling; 0 is off."""
     stop: list[str] = field(default_factory=list)
     """Stop strings; the completion is cut after the stop string."""
-    num_threads: int | None = None
+    num_threads: int | None = bounded(None, 1)
     """torch threads while the transformers engine generates; null keeps torch's setting (all cores). 1 is
     faster on a CPU shared with other jobs (rollout/engine.py torch_threads)."""
-    sync_bucket_mb: int = 1024
+    sync_bucket_mb: int = bounded(1024, 1)
     """Weight-sync bucket size into the engine."""
-    vllm_kv_cache_mb: int = 256
+    sync_timeout_s: float = bounded(1800.0, 0, low_open=True)
+    """Seconds a weight sync into the engine may take; past it the rank prints an error naming the phase, the
+    step and the rank, and exits (code 124): a stalled sync cannot be interrupted from inside."""
+    vllm_kv_cache_mb: int = bounded(256, 1)
     """vLLM KV cache bound on CPU (bytes are given to kv_cache_memory_bytes)."""
-    vllm_gpu_memory_utilization: float = 0.4
+    vllm_gpu_memory_utilization: float = bounded(0.4, 0, 1, low_open=True)
     """Fraction of GPU memory vLLM may take when colocated."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = bounded(1, 1)
     """vLLM tensor parallelism inside the torchrun world."""
 
 
@@ -135,31 +192,31 @@ class RolloutConfig:
 class AlgorithmConfig:
     adv_scale: str = choice("group", SCALES)
     """group (GRPO), batch, none (Dr. GRPO)."""
-    adv_eps: float = 1e-6
+    adv_eps: float = bounded(1e-6, 0)
     """eps in (r - mean) / (std + eps)."""
-    clip_low: float = 0.2
+    clip_low: float = bounded(0.2, 0, 1, high_open=True)
     """epsilon_low of the clipped surrogate."""
-    clip_high: float = 0.2
+    clip_high: float = bounded(0.2, 0)
     """epsilon_high (DAPO's clip-higher uses 0.28)."""
-    dual_clip: float | None = None
+    dual_clip: float | None = bounded(None, 1, low_open=True)
     """c > 1 caps the token loss at -A*c where A < 0; null is off."""
     agg: str = choice("token-mean", AGGREGATIONS)
     """token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO)."""
-    kl_coef: float = 0.0
+    kl_coef: float = bounded(0.0, 0)
     """Weight of the KL penalty to the frozen reference model; 0 means no reference model at all."""
     kl_kind: str = choice("k3", KL_KINDS)
     """k1, abs, k2 or k3."""
-    ppo_epochs: int = 1
+    ppo_epochs: int = bounded(1, 1)
     """Passes over each rollout batch; with 1, old logprobs are the current ones detached (no extra pass)."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose correctness is constant and generate more until the batch is full."""
-    max_gen_batches: int = 3
+    max_gen_batches: int = bounded(3, 1)
     """Generation rounds per step allowed for dynamic sampling before training on what is there."""
-    overlong_cache_len: int = 0
+    overlong_cache_len: int = bounded(0, 0)
     """DAPO overlong shaping: penalty ramp length in tokens before max_new_tokens; 0 is off."""
-    overlong_factor: float = 1.0
+    overlong_factor: float = bounded(1.0, 0)
     """Maximum overlong penalty."""
-    tis_cap: float | None = None
+    tis_cap: float | None = bounded(None, 0, low_open=True)
     """Truncated importance sampling cap C for the rollout/trainer mismatch; null is off."""
     tis_level: str = choice("token", IS_LEVELS)
     """token or sequence."""
@@ -167,55 +224,64 @@ class AlgorithmConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-6
+    lr: float = bounded(1e-6, 0, low_open=True)
     """Peak learning rate (AdamW)."""
-    weight_decay: float = 0.0
+    weight_decay: float = bounded(0.0, 0)
     """AdamW weight decay."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    betas: list[float] = bounded([0.9, 0.999], 0, 1, high_open=True)
     """AdamW betas."""
-    warmup_steps: int = 0
+    warmup_steps: int = bounded(0, 0)
     """Linear warmup steps."""
     schedule: str = choice("constant", SCHEDULES)
     """constant, linear or cosine decay after warmup."""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = bounded(0.0, 0, 1)
     """Final lr as a fraction of the peak for linear/cosine."""
-    grad_clip: float = 1.0
+    grad_clip: float = bounded(1.0, 0)
     """Max global gradient norm; 0 is off."""
 
 
 @dataclass
 class TrainerConfig:
-    steps: int = 10
+    steps: int = bounded(10, 1)
     """Optimizer steps (RL) or SFT steps."""
-    prompts_per_step: int = 2
+    prompts_per_step: int = bounded(2, 1)
     """P: prompts per rank per step (each rank owns whole groups)."""
-    micro_batch_size: int = 8
+    micro_batch_size: int = bounded(8, 1)
     """Sequences per forward/backward."""
-    sft_batch_size: int = 8
+    sft_batch_size: int = bounded(8, 1)
     """SFT: examples per step per rank."""
-    sft_max_len: int = 1024
+    sft_max_len: int = bounded(1024, 1)
     """SFT: longer examples fail at start-up."""
-    save_every: int = 0
+    save_every: int = bounded(0, 0)
     """Checkpoint every N steps (0: only at the end)."""
+    keep_last: int = bounded(0, 0)
+    """Keep only the newest K checkpoints; older ones are deleted only after a newer one is complete (0: keep all)."""
+    resume: str = choice("never", RESUMES)
+    """never: start at step 0; auto: continue from the latest complete checkpoint when there is one, else start
+    fresh (what a restarted job wants, e.g. under `torchrun --max-restarts`); always: continue from it, and fail
+    when there is none (the --resume flag)."""
+    collective_timeout_s: float = bounded(1800.0, 0, low_open=True)
+    """Seconds a collective (all-reduce, FSDP all-gather) may wait for the other ranks before the run fails
+    naming the phase, the step and the rank (torch.distributed's process-group timeout)."""
     out_dir: str = "runs"
     """Parent of run directories."""
     run_name: str = "run"
     """runs/<run_name>/ holds config, metrics, samples, checkpoints."""
-    max_consecutive_skips: int = 3
+    max_consecutive_skips: int = bounded(3, 1)
     """Stop after this many optimizer steps skipped for a non-finite loss or gradient."""
-    warn_after_steps: int = 3
+    warn_after_steps: int = bounded(3, 1)
     """Warn when truncation or flat groups stay above their threshold this many steps in a row."""
-    warn_truncation: float = 0.5
+    warn_truncation: float = bounded(0.5, 0, 1)
     """Truncation-rate threshold for the warning."""
-    warn_flat_groups: float = 0.9
+    warn_flat_groups: float = bounded(0.9, 0, 1)
     """Flat-group-fraction threshold for the warning."""
-    eval_every: int = 0
+    eval_every: int = bounded(0, 0)
     """Score the held-out rows before the first step, every N steps and after the last one, into
     metrics.jsonl (eval/<metric> with eval/<metric>_low/_high, its 95% interval); 0: only before and after."""
     eval_before: bool = True
     """Score the held-out rows before training too (the demo skips it when the previous stage just did: its
     "after" is this stage's start)."""
-    eval_max_new_tokens: int = 0
+    eval_max_new_tokens: int = bounded(0, 0)
     """Held-out evaluation length (0: rollout.max_new_tokens)."""
 
 
@@ -223,7 +289,7 @@ class TrainerConfig:
 class Config:
     stage: str = choice("rl", STAGES)
     """rl (GRPO/DAPO) or sft."""
-    seed: int = 0
+    seed: int = bounded(0, 0)
     """Seeds data order, sampling and initialisation."""
     init_from: str | None = None
     """A checkpoint directory whose weights start this run (e.g. the SFT stage's final checkpoint)."""

@@ -35,7 +35,11 @@ from models.logprobs import completion_logprobs
 @contextmanager
 def timed(times: dict, phase: str):
     started = time.perf_counter()
-    yield
+    try:
+        yield
+    except Exception as error:
+        error.add_note(f"phase: {phase}")  # a failed run names its phase (launch.train), e.g. a collective timeout
+        raise
     times[phase] = times.get(phase, 0.0) + time.perf_counter() - started
 
 

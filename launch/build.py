@@ -2,14 +2,14 @@
 torchrun), KL reference, optimizer, schedule, engine with its weight sync, scorer, held-out evaluation, the run
 directory's log and the checkpointer that owns progress.
 
-Everything that can be checked without the model is checked first, so a bad recipe fails in seconds and
-writes nothing to the run directory.
+Everything that can be checked without the model is checked first (launch/preflight.py, which --dry-run runs
+alone), so a bad recipe fails in seconds and writes nothing to the run directory.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +25,9 @@ from grpo.schedule import lr_factor
 from grpo.scoring import Scorer
 from launch.checkpointing import Checkpointer
 from launch.config import ConfigError, to_dict
+from launch.preflight import Prepared, prepare
 from launch.runlog import RunLog, truncate_metrics_file
+from launch.watchdog import with_deadline
 
 
 class HeldOut:
@@ -55,94 +57,12 @@ class Run:
     checkpoints: Checkpointer
     held_out: HeldOut | None  # None without held-out rows
     engine: object | None
+    prepared: Prepared  # what the start-up checks produced; owns the reward workers
 
-
-def _read_rows(files: list[str], key: str) -> list[dict]:
-    from data.rows import read_rows
-    rows = []
-    for path in files:
-        if not Path(path).is_file():
-            raise ConfigError(f"{key}: file not found: {path}")
-        try:
-            rows.extend(read_rows(path))
-        except (OSError, ValueError) as error:
-            raise ConfigError(f"{key}: {error}") from None
-    return rows
-
-
-def check_config(cfg: Config, dist) -> tuple[list[dict], list[dict]]:
-    """Checks that need no model: files, reward names, batch arithmetic. Returns (train rows, eval rows)."""
-    import rewards
-    from launch.triples import check_reward_config
-    for data_source, dotted in cfg.reward.functions.items():
-        rewards.register(data_source, rewards.get_reward(dotted), overwrite=True)
-    check_reward_config(cfg.reward)
-    if cfg.reward.corpus_index is not None:
-        if not Path(cfg.reward.corpus_index).is_dir():
-            raise ConfigError(f"reward.corpus_index: index directory not found: {cfg.reward.corpus_index} (build it "
-                              f"with: python -m rewards.corpus build --input corpus.jsonl --out {cfg.reward.corpus_index})")
-        from rewards.corpus import check_index
-        try:  # a corrupt index fails here, naming the path and the build command, not at the first reward
-            check_index(Path(cfg.reward.corpus_index))
-        except (OSError, ValueError) as error:
-            raise ConfigError(f"reward.corpus_index: {error}") from None
-        os.environ["NANOGRPO_CORPUS_INDEX"] = str(cfg.reward.corpus_index)
-    if not cfg.data.train_files:
-        raise ConfigError("data.train_files is empty: name at least one rows file (JSONL or Parquet)")
-    rows = _read_rows(cfg.data.train_files, "data.train_files")
-    eval_rows = _read_rows(cfg.data.eval_files, "data.eval_files")
-    if cfg.data.eval_size:
-        eval_rows = eval_rows[: cfg.data.eval_size]
-    if not rows:
-        raise ConfigError(f"data.train_files: no rows in {cfg.data.train_files}")
-    for row in rows + eval_rows:
-        try:
-            rewards.get_reward(row["data_source"])
-        except ValueError as error:
-            raise ConfigError(f"data: row index {row.get('extra_info', {}).get('index')} has data_source "
-                              f"{row['data_source']!r} with no reward function: {error}") from None
-        if cfg.stage == "sft" and not isinstance(row.get("extra_info", {}).get("target"), str):
-            raise ConfigError(f"stage=sft needs extra_info.target in every row; row index "
-                              f"{row.get('extra_info', {}).get('index')} has none")
-    if cfg.rollout.num_threads is not None and cfg.rollout.num_threads < 1:
-        raise ConfigError(f"rollout.num_threads={cfg.rollout.num_threads}: give at least 1, or null for torch's setting")
-    if cfg.stage == "rl" and cfg.rollout.n < 2:
-        raise ConfigError(f"rollout.n={cfg.rollout.n}: a group needs at least 2 completions for a baseline")
-    batch = cfg.trainer.prompts_per_step * cfg.rollout.n
-    if cfg.trainer.micro_batch_size < 1 or (cfg.stage == "rl" and batch % cfg.trainer.micro_batch_size
-                                            and cfg.trainer.micro_batch_size < batch):
-        raise ConfigError(f"trainer.micro_batch_size={cfg.trainer.micro_batch_size} does not divide the batch "
-                          f"trainer.prompts_per_step * rollout.n = {batch}")
-    if len(rows) < dist.world_size:
-        raise ConfigError(f"data.train_files: {len(rows)} rows cannot feed world size {dist.world_size}")
-    if cfg.algorithm.overlong_cache_len > cfg.rollout.max_new_tokens:
-        raise ConfigError(f"algorithm.overlong_cache_len={cfg.algorithm.overlong_cache_len} exceeds "
-                          f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
-    if cfg.init_from is not None and not Path(cfg.init_from).is_dir():
-        raise ConfigError(f"init_from: checkpoint directory not found: {cfg.init_from}")
-    return rows, eval_rows
-
-
-def _tokenize_prompts(cfg: Config, tokenizer, rows: list[dict], key: str) -> list[list[int]]:
-    from models import render_prompt
-    prompt_ids = [render_prompt(tokenizer, row["prompt"]) for row in rows]
-    for row, ids in zip(rows, prompt_ids):
-        if len(ids) > cfg.data.max_prompt_tokens:
-            raise ConfigError(f"{key}: row index {row.get('extra_info', {}).get('index')} has a {len(ids)}-token "
-                              f"prompt, longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
-    return prompt_ids
-
-
-def _sft_examples(cfg: Config, tokenizer, rows: list[dict], prompt_ids: list[list[int]]) -> list[tuple]:
-    """(prompt ids, target ids + eos) per row; an example longer than trainer.sft_max_len fails by row."""
-    examples = []
-    for row, ids in zip(rows, prompt_ids):
-        target = tokenizer.encode(row["extra_info"]["target"], add_special_tokens=False) + [tokenizer.eos_token_id]
-        if len(ids) + len(target) > cfg.trainer.sft_max_len:
-            raise ConfigError(f"row index {row['extra_info'].get('index')}: prompt + target is "
-                              f"{len(ids) + len(target)} tokens > trainer.sft_max_len={cfg.trainer.sft_max_len}")
-        examples.append((ids, target))
-    return examples
+    def close(self) -> None:
+        """Close the log and stop the reward workers (the engine is closed by launch.train after a full run)."""
+        self.log.close()
+        self.prepared.close()
 
 
 @dataclass(frozen=True)
@@ -201,52 +121,52 @@ def _policy(cfg: Config, dist, source: str | None, key: str, load: dict):
 
 
 def build(cfg: Config, dist, *, resume: bool = False, stop_requested: Callable[[], bool] = lambda: False) -> Run:
-    """Everything a run needs, checked in order of cost. stop_requested: asked once per step (Ctrl-C)."""
-    from models import load_tokenizer, resolve_model_dir
-    from models.checkpoint import latest_checkpoint
-
-    rows, eval_rows = check_config(cfg, dist)
-    run_dir = Path(cfg.trainer.out_dir) / cfg.trainer.run_name
-    latest = latest_checkpoint(run_dir / "checkpoints") if resume else None
-    if resume and latest is None:
-        raise ConfigError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}")
-    # A resumed run rebuilds the model from where the run started; the checkpointer (which verifies every file
-    # first) then restores the weights, so a damaged checkpoint is refused before anything is loaded.
-    source = cfg.init_from or cfg.model.name_or_path
-    key = "init_from" if cfg.init_from else "model.name_or_path"
+    """Everything a run needs, checked in order of cost (launch/preflight.py first: nothing is written to the run
+    directory before every check passed). resume=True is trainer.resume=always (the --resume flag);
+    stop_requested: asked once per step on every rank (Ctrl-C, SIGTERM)."""
+    if resume:
+        cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume="always"))
+    prepared = prepare(cfg, dist)
     try:
-        resolve_model_dir(source)  # a missing path or a directory without weights fails here, by name
-        tokenizer = load_tokenizer(source, trust_remote_code=cfg.model.trust_remote_code)
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"{key}: {error}") from None
-    prompt_ids = _tokenize_prompts(cfg, tokenizer, rows, "data.train_files")
-    eval_prompt_ids = _tokenize_prompts(cfg, tokenizer, eval_rows, "data.eval_files")
-    examples = _sft_examples(cfg, tokenizer, rows, prompt_ids) if cfg.stage == "sft" else []
+        return _assemble(cfg, dist, prepared, stop_requested)
+    except BaseException:
+        prepared.close()
+        raise
 
+
+def _assemble(cfg: Config, dist, prepared: Prepared, stop_requested: Callable[[], bool]) -> Run:
+    rows, eval_rows, tokenizer, source = prepared.rows, prepared.eval_rows, prepared.tokenizer, prepared.source
+    run_dir = Path(cfg.trainer.out_dir) / cfg.trainer.run_name
     torch.manual_seed(cfg.seed)
     load = dict(dtype=getattr(torch, cfg.model.dtype), device=dist.device,
                 attn_implementation=cfg.model.attn_implementation, trust_remote_code=cfg.model.trust_remote_code)
-    policy, reference = _policy(cfg, dist, source, key, load)
+    policy, reference = _policy(cfg, dist, source, prepared.source_key, load)
     sampler = PromptSampler(len(rows), seed=cfg.seed, rank=dist.rank, world_size=dist.world_size,
                             shuffle=cfg.data.shuffle)
     checkpoints = Checkpointer(run_dir, policy, tokenizer, sampler, dist, lora=cfg.model.lora, steps=cfg.trainer.steps,
-                               save_every=cfg.trainer.save_every, stop_requested=stop_requested)
-    if latest is not None:
+                               save_every=cfg.trainer.save_every, keep_last=cfg.trainer.keep_last,
+                               stop_requested=stop_requested)
+    if prepared.latest is not None:
         try:
-            checkpoints.resume(latest)
+            checkpoints.resume(prepared.latest)
         except (OSError, ValueError) as error:
-            raise ConfigError(f"--resume from {latest}: {error}") from None
+            raise ConfigError(f"resuming from {prepared.latest}: {error}") from None
 
     engine, sync_weights = None, (lambda: {})
     if cfg.stage == "rl" or eval_rows:
-        engine, sync_weights = _build_engine(cfg, dist, policy.model, tokenizer, source, load)
+        engine, engine_sync = _build_engine(cfg, dist, policy.model, tokenizer, source, load)
+        if engine_sync is not None:
+            limit = f"rollout.sync_timeout_s={cfg.rollout.sync_timeout_s:g} s"
+            sync_weights = with_deadline(engine_sync, cfg.rollout.sync_timeout_s, limit, lambda: (
+                f"weight sync (phase: sync) at step {checkpoints.completed_steps + 1} on rank {dist.rank}"))
+            sync_weights()  # the policy may hold resumed or initial weights the engine does not
     from launch.triples import install_factqa_reward
     install_factqa_reward(cfg.reward, device=str(dist.device))  # a non-default factqa_corpus reward (model extractor)
 
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        if latest is not None:
+        if cfg.trainer.resume != "never":  # lines of steps after the checkpoint (or all, starting fresh) are redone
             truncate_metrics_file(run_dir, checkpoints.start_step)
     log = RunLog(run_dir, total_steps=cfg.trainer.steps, start_step=checkpoints.start_step, enabled=dist.is_main,
                  description=cfg.stage)
@@ -254,23 +174,26 @@ def build(cfg: Config, dist, *, resume: bool = False, stop_requested: Callable[[
     import rewards
     from models.chat import prefix_decoder
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    scorer = Scorer(rewards.compute_score, prefix_decoder(tokenizer), sentence_coef=cfg.reward.sentence_coef,
-                    correct_threshold=cfg.reward.correct_threshold)
+    pool = prepared.reward_pool  # reward.num_workers > 0: every reward call goes through the workers
+    scorer = Scorer(pool.compute_score if pool else rewards.compute_score, prefix_decoder(tokenizer),
+                    sentence_coef=cfg.reward.sentence_coef, correct_threshold=cfg.reward.correct_threshold,
+                    compute_scores=pool.compute_scores if pool else None)
     held_out = None
     if eval_rows:
         held_out = HeldOut(functools.partial(
-            evaluate, engine, scorer, eval_rows, eval_prompt_ids, dist,
+            evaluate, engine, scorer, eval_rows, prepared.eval_prompt_ids, dist,
             max_new_tokens=cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens))
     if cfg.stage == "sft":
-        parts = SFTParts(policy, examples, sampler, pad_id, log, checkpoints, evaluate=held_out)
+        parts = SFTParts(policy, prepared.examples, sampler, pad_id, log, checkpoints, evaluate=held_out)
     else:
-        parts = RLParts(policy, engine, sync_weights, reference, rows, prompt_ids, sampler, scorer, pad_id, log,
-                        checkpoints, evaluate=held_out)
-    return Run(parts, run_dir, log, checkpoints, held_out, engine)
+        parts = RLParts(policy, engine, sync_weights, reference, rows, prepared.prompt_ids, sampler, scorer, pad_id,
+                        log, checkpoints, evaluate=held_out)
+    return Run(parts, run_dir, log, checkpoints, held_out, engine, prepared)
 
 
 def _build_engine(cfg: Config, dist, model, tokenizer, source, load):
-    """The rollout engine and a function that syncs the policy's weights into it after each update."""
+    """The rollout engine and a function that syncs the policy's weights into it (None when the engine generates
+    with the policy module itself)."""
     from rollout.sync import sync_weights
     bucket = cfg.rollout.sync_bucket_mb << 20
     if cfg.rollout.engine == "vllm":
@@ -280,18 +203,14 @@ def _build_engine(cfg: Config, dist, model, tokenizer, source, load):
                             kv_cache_memory_bytes=cfg.rollout.vllm_kv_cache_mb << 20,
                             gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
                             tensor_parallel_size=cfg.rollout.tensor_parallel_size)
-        engine_sync = lambda: sync_weights(model, engine, bucket_bytes=bucket)  # noqa: E731
-        engine_sync()  # the policy may hold resumed/initial weights the directory does not
-        return engine, engine_sync
+        return engine, lambda: sync_weights(model, engine, bucket_bytes=bucket)
     from rollout.hf_engine import HFEngine
     if dist.world_size == 1:
         # One process: the engine generates with the policy module itself; nothing to sync.
-        return HFEngine(model, tokenizer, shared=True, num_threads=cfg.rollout.num_threads), (lambda: {})
+        return HFEngine(model, tokenizer, shared=True, num_threads=cfg.rollout.num_threads), None
     # Under FSDP every forward is a collective, and ranks stop generating at different times: the engine
     # needs its own full copy, refreshed from the shards after every update.
     from models import load_model
     engine = HFEngine(load_model(source, **load).eval().requires_grad_(False), tokenizer, shared=False,
                       num_threads=cfg.rollout.num_threads)
-    engine_sync = lambda: sync_weights(model, engine, bucket_bytes=bucket)  # noqa: E731
-    engine_sync()
-    return engine, engine_sync
+    return engine, lambda: sync_weights(model, engine, bucket_bytes=bucket)

@@ -3,17 +3,31 @@ are done, when a checkpoint is written (periodic, final, on a stop request) and 
 
 The loops see it through grpo.parts.Checkpoints (`start_step`, `end_step`, `finish`). A checkpoint holds the
 weights (HF format, or the LoRA adapter), the optimizer, the schedule and every rank's data position, and is
-written atomically by models/checkpoint.py; non-finite weights are never written.
+written atomically by models/checkpoint.py (a failed write removes its partial directory and names the bytes it
+needed); non-finite weights are never written; with trainer.keep_last=K only the newest K are kept, and an older
+one is deleted only once a newer one is complete.
 """
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from grpo.config import LoraConfig
 from grpo.parts import Collectives, Policy, Sampler
+
+
+@contextmanager
+def phase(name: str):
+    """Name the phase on an exception that leaves it (launch.train reports it with the step and the rank)."""
+    try:
+        yield
+    except Exception as error:
+        error.add_note(f"phase: {name}")
+        raise
 
 
 class Checkpointer:
@@ -24,10 +38,11 @@ class Checkpointer:
     """
 
     def __init__(self, run_dir: Path, policy: Policy, tokenizer, sampler: Sampler, dist: Collectives, *,
-                 lora: LoraConfig, steps: int, save_every: int, stop_requested: Callable[[], bool]):
+                 lora: LoraConfig, steps: int, save_every: int, keep_last: int = 0,
+                 stop_requested: Callable[[], bool]):
         self.directory = Path(run_dir) / "checkpoints"
         self.policy, self.tokenizer, self.sampler, self.dist, self.lora = policy, tokenizer, sampler, dist, lora
-        self.steps, self.save_every, self.stop_requested = steps, save_every, stop_requested
+        self.steps, self.save_every, self.keep_last, self.stop_requested = steps, save_every, keep_last, stop_requested
         self.start_step = self.completed_steps = 0
 
     def resume(self, checkpoint: Path) -> int:
@@ -43,7 +58,23 @@ class Checkpointer:
         return step
 
     def save(self, step: int) -> Path:
-        """Write checkpoints/step_<step>; RuntimeError, before anything is written, when a weight is not finite."""
+        """Write checkpoints/step_<step>, then delete the ones trainer.keep_last no longer keeps; RuntimeError,
+        before anything is written, when a weight is not finite."""
+        with phase("checkpoint"):
+            target = self._write(step)
+            if self.keep_last and self.dist.rank == 0:
+                self._delete_older(step)
+        return target
+
+    def _delete_older(self, newest: int) -> None:
+        """Keep step_<newest> (just written, complete) and the keep_last - 1 complete checkpoints before it; delete
+        older ones. Checkpoints of later steps (left by an earlier run in this directory) are not touched."""
+        from models.checkpoint import complete_checkpoints
+        older = [path for step, path in complete_checkpoints(self.directory) if step < newest]
+        for path in older[:max(0, len(older) - (self.keep_last - 1))]:
+            shutil.rmtree(path)
+
+    def _write(self, step: int) -> Path:
         from models.checkpoint import save_checkpoint
         from models.lora import save_lora_checkpoint
         dist, model = self.dist, self.policy.model
@@ -69,7 +100,9 @@ class Checkpointer:
         """Record step `done` (1-based). True when a stop was requested (the loop breaks and `finish` writes
         the checkpoint); otherwise writes the periodic checkpoint when one is due (the last step's is `finish`'s)."""
         self.completed_steps = done
-        if self.stop_requested():
+        with phase("stop request"):
+            stop = self.stop_requested()
+        if stop:
             return True
         if self.save_every and done % self.save_every == 0 and done < self.steps:
             self.save(done)

@@ -1,8 +1,8 @@
 """Reading a run's configuration: a YAML recipe plus `key.sub=value` overrides, checked against the schema
-(grpo/config.py: typed dataclasses, a docstring per field, choices beside their fields).
+(grpo/config.py: typed dataclasses, a docstring per field, choices and numeric ranges beside their fields).
 
-Unknown keys, wrong types and values outside a field's choices fail with the key named and the closest valid
-key suggested.
+Unknown keys, wrong types, values outside a field's choices and numbers outside a field's range fail with the
+key named (and, for a misspelt key, the closest valid key suggested).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from grpo.config import Config
+from grpo.config import Config, Range
 
 
 class ConfigError(ValueError):
@@ -58,6 +58,15 @@ def _coerce(value, tp, key: str):
     return value
 
 
+def _check_range(value, valid: Range, key: str) -> None:
+    """ConfigError naming the key, the value and the range when `value` (a number, None for "off", or a list of
+    numbers) is outside `valid`."""
+    for index, number in enumerate(value if isinstance(value, list) else [value]):
+        if number is not None and not valid.contains(number):
+            where = f"{key}[{index}]" if isinstance(value, list) else key
+            raise ConfigError(f"{where}={number!r} is out of range: it must be {valid}")
+
+
 def _build(cls, values: dict, prefix: str = ""):
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {values!r}")
@@ -78,6 +87,8 @@ def _build(cls, values: dict, prefix: str = ""):
             allowed = fields[key].metadata.get("choices")
             if allowed and kwargs[key] not in allowed:
                 raise ConfigError(f"{prefix}{key}: {kwargs[key]!r} is not one of {', '.join(allowed)}")
+            if "range" in fields[key].metadata:
+                _check_range(kwargs[key], fields[key].metadata["range"], f"{prefix}{key}")
     return cls(**kwargs)
 
 

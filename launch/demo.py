@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         summary = run(cfg, dist)
         if "interrupted" in summary:
             print(f"interrupted: {name} checkpoint under {summary['run_dir']}/checkpoints", file=sys.stderr)
-            raise SystemExit(130)
+            raise SystemExit(128 + summary["signal"])  # 130 after Ctrl-C, 143 after SIGTERM
         results[name] = summary
         return cfg, summary
 

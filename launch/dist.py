@@ -4,6 +4,7 @@ Without torchrun everything runs as one process: the collectives are identities.
 """
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,8 +40,11 @@ def _all_reduce(op):
     return reduce
 
 
-def init_distributed() -> DistInfo:
-    """One process, or the torchrun world (nccl on CUDA, gloo on CPU). Call once, before building vLLM."""
+def init_distributed(timeout_s: float = 1800.0) -> DistInfo:
+    """One process, or the torchrun world (nccl on CUDA, gloo on CPU). Call once, before building vLLM.
+
+    timeout_s (trainer.collective_timeout_s): how long a collective waits for the other ranks before it raises,
+    so a rank that died or stopped answering ends the run with an error instead of a hang."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
@@ -50,7 +54,7 @@ def init_distributed() -> DistInfo:
     if world_size == 1:
         return DistInfo(device=device)
     if not torch_dist.is_initialized():
-        torch_dist.init_process_group("nccl" if cuda else "gloo")
+        torch_dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(device.type, (world_size,))
     return DistInfo(rank=torch_dist.get_rank(), world_size=world_size, local_rank=local_rank, device=device,

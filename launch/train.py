@@ -2,6 +2,7 @@
 
     python -m launch.train --config launch/configs/demo_grpo.yaml [key.sub=value ...] [--resume] [--dry-run]
     torchrun --nproc_per_node=8 -m launch.train --config launch/configs/veriseek_grpo.yaml
+    torchrun --nproc_per_node=8 --max-restarts=3 -m launch.train ... trainer.resume=auto   # a dead rank restarts
     torchrun --nnodes=2 --node_rank=$RANK --rdzv_endpoint=$HOST:29500 --nproc_per_node=8 -m launch.train ...
 
 The run directory (trainer.out_dir/trainer.run_name) gets config.yaml, metrics.jsonl, samples.jsonl,
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import yaml
 
@@ -27,40 +29,77 @@ from launch.config import ConfigError, load_config, to_dict
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML recipe (launch/configs/*.yaml); defaults when omitted")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest complete checkpoint (trainer.resume=always)")
     parser.add_argument("--dry-run", action="store_true", help="check the recipe and data, print it, and exit")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. optim.lr=1e-6")
     return parser.parse_args(argv)
 
 
+@dataclass
+class StopRequest:
+    """The stop signal this process received first (SIGINT or SIGTERM; 0 before any), and the one every rank
+    agreed to stop for (the largest over ranks, so SIGTERM wins over SIGINT)."""
+    received: int = 0
+    agreed: int = 0
+
+
 @contextmanager
 def interrupt_requests(announce: bool = True):
-    """Ctrl-C (SIGINT) asks the loop to stop at the end of the current step; yields `requested() -> bool`.
+    """Ctrl-C (SIGINT) and a scheduler's preemption (SIGTERM) ask the loop to stop at the end of the current
+    step; yields the StopRequest.
 
     The step is finished rather than cut, so the checkpoint then written is one an uninterrupted run would
     have written. A second SIGINT within 2 s counts as the same request (under torchrun each rank gets the
     terminal's and then torchrun's copy, and torchrun sends SIGKILL 30 s later); a later one aborts at once,
-    leaving the last periodic checkpoint.
+    leaving the last periodic checkpoint. A repeated SIGTERM never aborts: a scheduler (or torchrun, which
+    forwards its own) sends it once more or twice, and then SIGKILL after its grace period.
     """
+    request = StopRequest()
     first: list[float] = []
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield lambda: False
+        yield request
         return
 
     def handler(signum, frame):
-        if first and time.monotonic() - first[0] > 2.0:
+        if signum == signal.SIGINT and first and time.monotonic() - first[0] > 2.0:
             raise KeyboardInterrupt
         if not first:
             first.append(time.monotonic())
+            request.received = signum
             if announce:
-                print("WARNING: interrupt: finishing this step, then writing a checkpoint (Ctrl-C again to abort)",
-                      file=sys.stderr, flush=True)
+                print(f"WARNING: {signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
+                      "(Ctrl-C again to abort)", file=sys.stderr, flush=True)
 
-    previous = signal.signal(signal.SIGINT, handler)
+    previous = {number: signal.signal(number, handler) for number in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield lambda: bool(first)
+        yield request
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for number, old in previous.items():
+            signal.signal(number, old)
+
+
+class RunFailed(RuntimeError):
+    """A run that failed after start-up, with the phase, the step and the rank named (the cause is chained)."""
+
+
+# Where a collective failed, what it usually means (gloo's and NCCL's wording).
+_COLLECTIVE_HINTS = (("timed out", "a collective waited longer than trainer.collective_timeout_s={timeout:g} s: "
+                                   "another rank stopped answering"),
+                     ("connection closed by peer", "another rank died"),
+                     ("connection reset by peer", "another rank died"))
+
+
+def describe_failure(error: BaseException, *, rank: int, step: int | None, collective_timeout_s: float) -> str:
+    """'<phase> failed at step <n> on rank <r>: <error>', the phase taken from the error's "phase: ..." note
+    (grpo.trainer.timed, launch.checkpointing.phase), else "training step" (or "start-up" before the loop)."""
+    notes = [note[len("phase: "):] for note in getattr(error, "__notes__", []) if note.startswith("phase: ")]
+    phase = notes[0] if notes else ("training step" if step is not None else "start-up")
+    where = f"at step {step}" if step is not None else "at start-up"
+    text = f"{type(error).__name__}: {error}"
+    hints = [hint.format(timeout=collective_timeout_s) for marker, hint in _COLLECTIVE_HINTS if marker in text.lower()
+             and not isinstance(error, TimeoutError)]  # a reward's own timeout (launch.reward_pool) says what it is
+    return f"{phase} failed {where} on rank {rank}: {text}" + (f" ({hints[0]})" if hints else "")
 
 
 def _jsonable(result: dict) -> dict:
@@ -72,26 +111,44 @@ def _jsonable(result: dict) -> dict:
 
 def run(cfg: Config, dist, *, resume: bool = False) -> dict:
     """Build, score the held-out rows before, train, score after. Returns {"run_dir", "before", "after"} (the
-    held-out results: count, means with 95% intervals, per-prompt values), or "interrupted" (steps done)."""
+    held-out results: count, means with 95% intervals, per-prompt values), or "interrupted" (steps done) and
+    "signal" (the stop signal's number). A failure after start-up raises RunFailed naming phase, step and rank."""
     import torch
 
     from grpo.sft import train_sft
     from grpo.trainer import train_rl
     from launch.build import build
 
-    with interrupt_requests(announce=dist.is_main) as requested:
-        # Every rank must stop after the same step: the request is reduced over ranks once per step.
-        stop = lambda: bool(dist.all_reduce_max(torch.tensor(float(requested()), device=dist.device)) > 0)  # noqa: E731
-        built = build(cfg, dist, resume=resume, stop_requested=stop)
-        held_out, start = built.held_out, built.checkpoints.start_step
-        summary = {"run_dir": str(built.run_dir), "before": {}}
-        if held_out is not None and cfg.trainer.eval_before:
-            summary["before"] = _jsonable(held_out.result(start))
-        loop = train_sft if cfg.stage == "sft" else train_rl
+    with interrupt_requests(announce=dist.is_main) as request:
+        def stop() -> bool:
+            # Every rank must stop after the same step: the request is reduced over ranks once per step.
+            request.agreed = int(dist.all_reduce_max(torch.tensor(float(request.received), device=dist.device)))
+            return request.agreed > 0
+
+        built = None
         try:
-            summary["final"] = loop(cfg, dist, built.parts)
+            built = build(cfg, dist, resume=resume, stop_requested=stop)
+            summary = _train(cfg, dist, built, train_sft if cfg.stage == "sft" else train_rl)
+        except (ConfigError, KeyboardInterrupt):
+            raise
+        except Exception as error:
+            step = built.checkpoints.completed_steps + 1 if built is not None else None
+            raise RunFailed(describe_failure(error, rank=dist.rank, step=step,
+                                             collective_timeout_s=cfg.trainer.collective_timeout_s)) from error
         finally:
-            built.log.close()
+            if built is not None:
+                built.close()
+    if "interrupted" in summary:
+        summary["signal"] = request.agreed
+    return summary
+
+
+def _train(cfg: Config, dist, built, loop) -> dict:
+    held_out, start = built.held_out, built.checkpoints.start_step
+    summary = {"run_dir": str(built.run_dir), "before": {}}
+    if held_out is not None and cfg.trainer.eval_before:
+        summary["before"] = _jsonable(held_out.result(start))
+    summary["final"] = loop(cfg, dist, built.parts)
     if built.checkpoints.completed_steps < cfg.trainer.steps:
         summary["interrupted"] = built.checkpoints.completed_steps
         return summary
@@ -103,28 +160,41 @@ def run(cfg: Config, dist, *, resume: bool = False) -> dict:
     return summary
 
 
+def _dry_run(cfg: Config, dist) -> None:
+    """Every check a real start makes before the model loads (launch/preflight.py), then print the config."""
+    from launch.preflight import prepare
+    prepared = prepare(cfg, dist)
+    prepared.close()
+    if dist.is_main:
+        longest = max(map(len, prepared.prompt_ids + prepared.eval_prompt_ids))
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        resume = f"; would resume from {prepared.latest}" if prepared.latest else ""
+        print(f"ok: {len(prepared.rows)} training rows, {len(prepared.eval_rows)} held-out rows, longest prompt "
+              f"{longest} tokens (data.max_prompt_tokens={cfg.data.max_prompt_tokens}){resume}")
+
+
 def main(argv=None) -> int:
+    """Exit codes: 0 done; 1 failed (RunFailed names the phase, the step and the rank); 2 a config error, found
+    before anything is written; 124 a stalled weight sync (launch/watchdog.py); 128 + the signal when stopped
+    by Ctrl-C (130) or SIGTERM (143) after finishing the step and writing a checkpoint."""
     args = parse_args(argv)
     from launch.dist import init_distributed, shutdown
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides + (["trainer.resume=always"] if args.resume else []))
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
-    dist = init_distributed()
+    dist = init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
     try:
         if args.dry_run:
-            from launch.build import check_config
-            rows, eval_rows = check_config(cfg, dist)
-            if dist.is_main:
-                print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-                print(f"ok: {len(rows)} training rows, {len(eval_rows)} held-out rows")
+            _dry_run(cfg, dist)
             return 0
-        summary = run(cfg, dist, resume=args.resume)
+        summary = run(cfg, dist)
         if "interrupted" in summary:
-            print(f"interrupted after step {summary['interrupted']}; checkpoint written under "
-                  f"{summary['run_dir']}/checkpoints (continue with --resume)", file=sys.stderr)
-            return 130
+            name = signal.Signals(summary["signal"]).name
+            print(f"rank {dist.rank}: stopped by {name} after step {summary['interrupted']}; checkpoint written under "
+                  f"{summary['run_dir']}/checkpoints (continue with --resume or trainer.resume=auto)", file=sys.stderr)
+            return 128 + summary["signal"]
         if dist.is_main:
             print(json.dumps({k: summary[k] for k in ("run_dir", "before", "after")}, indent=1))
         return 0

@@ -66,7 +66,7 @@ def test_bad_configs_models_and_checkpoints(setup, capsys, tiny_model_dir):
         (["--config", str(broken_yaml)], r"broken\.yaml: not valid YAML"),
         (["rollout.n=1"], r"rollout\.n=1"),
         (["trainer.micro_batch_size=3"], r"trainer\.micro_batch_size=3 does not divide"),
-        (["rollout.num_threads=0"], r"rollout\.num_threads=0: give at least 1"),
+        (["rollout.num_threads=0"], r"rollout\.num_threads=0 is out of range: it must be >= 1"),
         (["data.max_prompt_tokens=3"], r"longer than data\.max_prompt_tokens=3"),
         ([f"model.name_or_path={tmp / 'nowhere'}"], r"model\.name_or_path: .*nowhere"),
         ([f"model.name_or_path={no_weights}"], r"model\.name_or_path: .*no_weights"),
@@ -94,3 +94,49 @@ def test_corrupt_checkpoint_is_refused(setup, capsys):
     assert "model.safetensors" in err and "Traceback" not in err, err[-600:]
     assert (tmp / "runs" / "bad" / "metrics.jsonl").read_text() == before
     shutil.rmtree(checkpoint)
+
+
+# What a new user tried (issue 17): each was accepted by --dry-run, and prompts_per_step=0 crashed deep in the loop
+# after writing a run directory. Each must now fail at start-up naming the key, the value and the range.
+NONSENSE = [
+    ("trainer.steps=-1", r"trainer\.steps=-1 is out of range: it must be >= 1"),
+    ("optim.lr=-1", r"optim\.lr=-1\.0 is out of range: it must be > 0"),
+    ("rollout.max_new_tokens=0", r"rollout\.max_new_tokens=0 is out of range: it must be >= 1"),
+    ("rollout.temperature=-1", r"rollout\.temperature=-1\.0 is out of range: it must be > 0"),
+    ("rollout.top_p=1.5", r"rollout\.top_p=1\.5 is out of range: it must be in \(0, 1\]"),
+    ("algorithm.clip_low=2", r"algorithm\.clip_low=2\.0 is out of range: it must be in \[0, 1\)"),
+    ("algorithm.kl_coef=-1", r"algorithm\.kl_coef=-1\.0 is out of range: it must be >= 0"),
+    ("trainer.prompts_per_step=0", r"trainer\.prompts_per_step=0 is out of range: it must be >= 1"),
+    ("reward.timeout_s=0", r"reward\.timeout_s=0\.0 is out of range: it must be > 0"),
+    ("reward.num_workers=-2", r"reward\.num_workers=-2 is out of range: it must be >= 0"),
+    ("trainer.collective_timeout_s=-5", r"trainer\.collective_timeout_s=-5\.0 is out of range: it must be > 0"),
+    ("rollout.sync_timeout_s=0", r"rollout\.sync_timeout_s=0\.0 is out of range: it must be > 0"),
+    # Settings that are each in range but do not fit together (the fixture's run has 1 step, no held-out rows).
+    ("trainer.eval_every=2", r"trainer\.eval_every=2 exceeds trainer\.steps=1"),
+    ("trainer.steps=4 trainer.eval_every=2", r"trainer\.eval_every=2 needs held-out rows: data\.eval_files is empty"),
+    ("reward.timeout_s=5", r"reward\.timeout_s=5\.0 needs reward\.num_workers >= 1"),
+    ("data.max_prompt_tokens=3", r"longer than data\.max_prompt_tokens=3"),  # needs the tokenizer only
+]
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "start"])
+def test_nonsense_settings_are_refused_at_start_up(setup, capsys, monkeypatch, dry_run):
+    import re
+
+    import models
+    tmp, base = setup
+    # Everything here must be refused before any model loads (the tokenizer is allowed).
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded before the checks"))
+    for overrides, message in NONSENSE:
+        code = main(base + overrides.split() + (["--dry-run"] if dry_run else []))
+        err = capsys.readouterr().err
+        assert code == 2 and re.search(message, err), (overrides, err[-600:])
+        assert "Traceback" not in err and not (tmp / "runs").exists(), overrides
+
+
+def test_dry_run_checks_and_writes_nothing(setup, capsys):
+    tmp, base = setup
+    assert main(base + ["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "ok: 2 training rows, 0 held-out rows, longest prompt" in out and "data.max_prompt_tokens=1024" in out
+    assert not (tmp / "runs").exists()

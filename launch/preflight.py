@@ -1,0 +1,186 @@
+"""Every check a start makes before any model loads, in order of cost: settings that relate to each other, files,
+reward names, then (tokenizer only) prompt and SFT example lengths, the checkpoint to resume from and the reward
+workers. `launch.train --dry-run` runs exactly this and stops; launch/build.py runs it first, so a bad recipe
+fails in seconds and nothing is written to the run directory.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpo.config import Config
+from launch.config import ConfigError
+
+
+def _read_rows(files: list[str], key: str) -> list[dict]:
+    from data.rows import read_rows
+    rows = []
+    for path in files:
+        if not Path(path).is_file():
+            raise ConfigError(f"{key}: file not found: {path}")
+        try:
+            rows.extend(read_rows(path))
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"{key}: {error}") from None
+    return rows
+
+
+def _check_rewards(cfg: Config) -> None:
+    """Register reward.functions by path and check the reward section's files (the corpus index)."""
+    import rewards
+    from launch.triples import check_reward_config
+    for data_source, dotted in cfg.reward.functions.items():
+        rewards.register(data_source, rewards.get_reward(dotted), overwrite=True)
+    check_reward_config(cfg.reward)
+    if cfg.reward.corpus_index is not None:
+        if not Path(cfg.reward.corpus_index).is_dir():
+            raise ConfigError(f"reward.corpus_index: index directory not found: {cfg.reward.corpus_index} (build it "
+                              f"with: python -m rewards.corpus build --input corpus.jsonl --out {cfg.reward.corpus_index})")
+        from rewards.corpus import check_index
+        try:  # a corrupt index fails here, naming the path and the build command, not at the first reward
+            check_index(Path(cfg.reward.corpus_index))
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"reward.corpus_index: {error}") from None
+        os.environ["NANOGRPO_CORPUS_INDEX"] = str(cfg.reward.corpus_index)
+
+
+def _check_settings(cfg: Config) -> None:
+    """Checks that relate settings to each other (each numeric setting's own range is checked when the config
+    is read: grpo/config.py declares it beside the field)."""
+    tcfg = cfg.trainer
+    if cfg.stage == "rl" and cfg.rollout.n < 2:
+        raise ConfigError(f"rollout.n={cfg.rollout.n}: a group needs at least 2 completions for a baseline")
+    batch = tcfg.prompts_per_step * cfg.rollout.n
+    if cfg.stage == "rl" and batch % tcfg.micro_batch_size and tcfg.micro_batch_size < batch:
+        raise ConfigError(f"trainer.micro_batch_size={tcfg.micro_batch_size} does not divide the batch "
+                          f"trainer.prompts_per_step * rollout.n = {batch}")
+    if cfg.algorithm.overlong_cache_len > cfg.rollout.max_new_tokens:
+        raise ConfigError(f"algorithm.overlong_cache_len={cfg.algorithm.overlong_cache_len} exceeds "
+                          f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
+    if tcfg.eval_every > tcfg.steps:
+        raise ConfigError(f"trainer.eval_every={tcfg.eval_every} exceeds trainer.steps={tcfg.steps}: no held-out "
+                          "point would fall inside the run (0 scores before and after only)")
+    if tcfg.eval_every and not cfg.data.eval_files:
+        raise ConfigError(f"trainer.eval_every={tcfg.eval_every} needs held-out rows: data.eval_files is empty")
+    if cfg.reward.timeout_s is not None and cfg.reward.num_workers == 0:
+        raise ConfigError(f"reward.timeout_s={cfg.reward.timeout_s} needs reward.num_workers >= 1: a reward call "
+                          "that hangs inside the training process cannot be abandoned")
+    if cfg.init_from is not None and not Path(cfg.init_from).is_dir():
+        raise ConfigError(f"init_from: checkpoint directory not found: {cfg.init_from}")
+
+
+def check_config(cfg: Config, dist) -> tuple[list[dict], list[dict]]:
+    """Checks that need no tokenizer or model: settings, files, reward names. Returns (train rows, eval rows)."""
+    import rewards
+    _check_settings(cfg)
+    _check_rewards(cfg)
+    if not cfg.data.train_files:
+        raise ConfigError("data.train_files is empty: name at least one rows file (JSONL or Parquet)")
+    rows = _read_rows(cfg.data.train_files, "data.train_files")
+    eval_rows = _read_rows(cfg.data.eval_files, "data.eval_files")
+    if cfg.data.eval_size:
+        eval_rows = eval_rows[: cfg.data.eval_size]
+    if not rows:
+        raise ConfigError(f"data.train_files: no rows in {cfg.data.train_files}")
+    for row in rows + eval_rows:
+        try:
+            rewards.get_reward(row["data_source"])
+        except ValueError as error:
+            raise ConfigError(f"data: row index {row.get('extra_info', {}).get('index')} has data_source "
+                              f"{row['data_source']!r} with no reward function: {error}") from None
+        if cfg.stage == "sft" and not isinstance(row.get("extra_info", {}).get("target"), str):
+            raise ConfigError(f"stage=sft needs extra_info.target in every row; row index "
+                              f"{row.get('extra_info', {}).get('index')} has none")
+    if len(rows) < dist.world_size:
+        raise ConfigError(f"data.train_files: {len(rows)} rows cannot feed world size {dist.world_size}")
+    return rows, eval_rows
+
+
+def _tokenize_prompts(cfg: Config, tokenizer, rows: list[dict], key: str) -> list[list[int]]:
+    from models import render_prompt
+    prompt_ids = [render_prompt(tokenizer, row["prompt"]) for row in rows]
+    for row, ids in zip(rows, prompt_ids):
+        if len(ids) > cfg.data.max_prompt_tokens:
+            raise ConfigError(f"{key}: row index {row.get('extra_info', {}).get('index')} has a {len(ids)}-token "
+                              f"prompt, longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
+    return prompt_ids
+
+
+def _sft_examples(cfg: Config, tokenizer, rows: list[dict], prompt_ids: list[list[int]]) -> list[tuple]:
+    """(prompt ids, target ids + eos) per row; an example longer than trainer.sft_max_len fails by row."""
+    examples = []
+    for row, ids in zip(rows, prompt_ids):
+        target = tokenizer.encode(row["extra_info"]["target"], add_special_tokens=False) + [tokenizer.eos_token_id]
+        if len(ids) + len(target) > cfg.trainer.sft_max_len:
+            raise ConfigError(f"row index {row['extra_info'].get('index')}: prompt + target is "
+                              f"{len(ids) + len(target)} tokens > trainer.sft_max_len={cfg.trainer.sft_max_len}")
+        examples.append((ids, target))
+    return examples
+
+
+def _start_reward_pool(cfg: Config, rows: list[dict]):
+    """The reward workers (reward.num_workers), started, once each data source of `rows` resolves to the same
+    function in them as here."""
+    import rewards
+    from launch.reward_pool import RewardPool, function_identity
+    sources = sorted({row["data_source"] for row in rows})
+    pool = RewardPool(cfg.reward, sources)
+    try:
+        theirs = pool.start()
+        ours = {source: function_identity(rewards.get_reward(source)) for source in sources}
+        for source in sources:
+            if theirs.get(source) != ours[source]:
+                raise ConfigError(
+                    f"reward.num_workers={cfg.reward.num_workers}: data_source {source!r} is {ours[source]} here but "
+                    f"{theirs.get(source)} in the reward workers (a reward registered in code does not reach a new "
+                    f"process): name it by path in reward.functions, or set reward.num_workers=0")
+    except BaseException:
+        pool.close()
+        raise
+    return pool
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What the checks produced, for launch/build.py."""
+    rows: list[dict]
+    eval_rows: list[dict]
+    tokenizer: object
+    prompt_ids: list[list[int]]
+    eval_prompt_ids: list[list[int]]
+    examples: list[tuple]  # SFT (prompt ids, target ids); empty for RL
+    source: str | None  # the model the run starts from: init_from, else model.name_or_path (None: embedded)
+    source_key: str  # which of the two keys named it
+    latest: Path | None  # the checkpoint to resume from (trainer.resume)
+    reward_pool: object | None  # launch.reward_pool.RewardPool, started; None scores in this process
+
+    def close(self) -> None:
+        if self.reward_pool is not None:
+            self.reward_pool.close()
+
+
+def prepare(cfg: Config, dist) -> Prepared:
+    """Every check a start makes before the model loads; ConfigError naming the key, file or row otherwise."""
+    from models import load_tokenizer, resolve_model_dir
+    from models.checkpoint import latest_checkpoint
+
+    rows, eval_rows = check_config(cfg, dist)
+    directory = Path(cfg.trainer.out_dir) / cfg.trainer.run_name / "checkpoints"
+    latest = latest_checkpoint(directory) if cfg.trainer.resume != "never" else None
+    if cfg.trainer.resume == "always" and latest is None:
+        raise ConfigError(f"--resume: no complete checkpoint under {directory} (trainer.resume=always)")
+    # A resumed run rebuilds the model from where the run started; the checkpointer (which verifies every file
+    # first) then restores the weights, so a damaged checkpoint is refused before anything is loaded.
+    source = cfg.init_from or cfg.model.name_or_path
+    key = "init_from" if cfg.init_from else "model.name_or_path"
+    try:
+        resolve_model_dir(source)  # a missing path or a directory without weights fails here, by name
+        tokenizer = load_tokenizer(source, trust_remote_code=cfg.model.trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{key}: {error}") from None
+    prompt_ids = _tokenize_prompts(cfg, tokenizer, rows, "data.train_files")
+    eval_prompt_ids = _tokenize_prompts(cfg, tokenizer, eval_rows, "data.eval_files")
+    examples = _sft_examples(cfg, tokenizer, rows, prompt_ids) if cfg.stage == "sft" else []
+    pool = _start_reward_pool(cfg, rows + eval_rows) if cfg.reward.num_workers else None
+    return Prepared(rows, eval_rows, tokenizer, prompt_ids, eval_prompt_ids, examples, source, key, latest, pool)
