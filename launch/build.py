@@ -158,7 +158,7 @@ def _assemble(cfg: Config, dist, prepared: Prepared, stop_requested: Callable[[]
         if engine_sync is not None:
             limit = f"rollout.sync_timeout_s={cfg.rollout.sync_timeout_s:g} s"
             sync_weights = with_deadline(engine_sync, cfg.rollout.sync_timeout_s, limit, lambda: (
-                f"weight sync (phase: sync) at step {checkpoints.completed_steps + 1} on rank {dist.rank}"))
+                f"weight sync (phase: sync) at step {checkpoints.step} on rank {dist.rank}"))
             sync_weights()  # the policy may hold resumed or initial weights the engine does not
     from launch.triples import install_factqa_reward
     install_factqa_reward(cfg.reward, device=str(dist.device))  # a non-default factqa_corpus reward (model extractor)

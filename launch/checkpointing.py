@@ -44,6 +44,7 @@ class Checkpointer:
         self.policy, self.tokenizer, self.sampler, self.dist, self.lora = policy, tokenizer, sampler, dist, lora
         self.steps, self.save_every, self.keep_last, self.stop_requested = steps, save_every, keep_last, stop_requested
         self.start_step = self.completed_steps = 0
+        self.step = 1  # the step the run is at: the one in progress, or the one being checkpointed (for errors)
 
     def resume(self, checkpoint: Path) -> int:
         """Load weights, optimizer, schedule and this rank's data position from `checkpoint` (checked before
@@ -55,6 +56,7 @@ class Checkpointer:
         self.policy.scheduler.load_state_dict(extra["scheduler"])
         self.sampler.position = extra["sampler_position"][self.dist.rank]
         self.start_step = self.completed_steps = step
+        self.step = step + 1
         return step
 
     def save(self, step: int) -> Path:
@@ -99,15 +101,17 @@ class Checkpointer:
     def end_step(self, done: int) -> bool:
         """Record step `done` (1-based). True when a stop was requested (the loop breaks and `finish` writes
         the checkpoint); otherwise writes the periodic checkpoint when one is due (the last step's is `finish`'s)."""
-        self.completed_steps = done
+        self.completed_steps = self.step = done
         with phase("stop request"):
             stop = self.stop_requested()
         if stop:
             return True
         if self.save_every and done % self.save_every == 0 and done < self.steps:
             self.save(done)
+        self.step = done + 1
         return False
 
     def finish(self) -> None:
         """The final checkpoint, at the last finished step."""
+        self.step = self.completed_steps
         self.save(self.completed_steps)

@@ -35,7 +35,11 @@ class DistInfo:
 def _all_reduce(op):
     def reduce(tensor):
         tensor = tensor.clone()
-        torch_dist.all_reduce(tensor, op=op)
+        try:
+            torch_dist.all_reduce(tensor, op=op)
+        except Exception as error:  # e.g. trainer.collective_timeout_s passed: launch.train names the collective
+            error.add_note(f"collective: all_reduce {op.name.lower()}")
+            raise
         return tensor
     return reduce
 

@@ -92,9 +92,12 @@ _COLLECTIVE_HINTS = (("timed out", "a collective waited longer than trainer.coll
 
 def describe_failure(error: BaseException, *, rank: int, step: int | None, collective_timeout_s: float) -> str:
     """'<phase> failed at step <n> on rank <r>: <error>', the phase taken from the error's "phase: ..." note
-    (grpo.trainer.timed, launch.checkpointing.phase), else "training step" (or "start-up" before the loop)."""
-    notes = [note[len("phase: "):] for note in getattr(error, "__notes__", []) if note.startswith("phase: ")]
-    phase = notes[0] if notes else ("training step" if step is not None else "start-up")
+    (grpo.trainer.timed, launch.checkpointing.phase), else "training step" (or "start-up" before the loop), and
+    the collective when one of launch.dist's failed ("collective: ..." note)."""
+    notes = getattr(error, "__notes__", [])
+    phases = [note[len("phase: "):] for note in notes if note.startswith("phase: ")]
+    phase = phases[0] if phases else ("training step" if step is not None else "start-up")
+    phase += "".join(f" ({note[len('collective: '):]})" for note in notes[:1] if note.startswith("collective: "))
     where = f"at step {step}" if step is not None else "at start-up"
     text = f"{type(error).__name__}: {error}"
     hints = [hint.format(timeout=collective_timeout_s) for marker, hint in _COLLECTIVE_HINTS if marker in text.lower()
@@ -132,7 +135,7 @@ def run(cfg: Config, dist, *, resume: bool = False) -> dict:
         except (ConfigError, KeyboardInterrupt):
             raise
         except Exception as error:
-            step = built.checkpoints.completed_steps + 1 if built is not None else None
+            step = built.checkpoints.step if built is not None else None
             raise RunFailed(describe_failure(error, rank=dist.rank, step=step,
                                              collective_timeout_s=cfg.trainer.collective_timeout_s)) from error
         finally:

@@ -21,18 +21,26 @@ def constant(data_source, solution_str, ground_truth, extra_info=None):
     return 0.7
 
 
-def sleeps_on_row(data_source, solution_str, ground_truth, extra_info=None):
-    """vowel_fraction, except that row index 5 never returns (a hung reward service) and row index 6 kills its own
-    process (a reward that crashes its worker); ground_truth "slow" sleeps 0.5 s first (a slow remote judge)."""
+
+def vowels_slowly(data_source, solution_str, ground_truth, extra_info=None):
+    """vowel_fraction after 0.5 s, as a remote judge answers."""
+    import time
+    time.sleep(0.5)
+    return vowel_fraction(data_source, solution_str, ground_truth, extra_info)
+
+
+def hangs_on_row_5(data_source, solution_str, ground_truth, extra_info=None):
+    """vowel_fraction, except that on row index 5 it never returns (a reward service that stopped answering)."""
+    import time
+    while (extra_info or {}).get("index") == 5:
+        time.sleep(60)
+    return vowel_fraction(data_source, solution_str, ground_truth, extra_info)
+
+
+def dies_on_row_6(data_source, solution_str, ground_truth, extra_info=None):
+    """vowel_fraction, except that on row index 6 it kills its own process (a reward that crashes its worker)."""
     import os
     import signal
-    import time
-    index = (extra_info or {}).get("index")
-    if index == 5:
-        while True:
-            time.sleep(60)
-    if index == 6:
+    if (extra_info or {}).get("index") == 6:
         os.kill(os.getpid(), signal.SIGKILL)
-    if ground_truth == "slow":
-        time.sleep(0.5)
     return vowel_fraction(data_source, solution_str, ground_truth, extra_info)

@@ -1,7 +1,10 @@
-"""Failures: kill -9 during a step and during a checkpoint save (one process and 2-rank torchrun), and Ctrl-C,
-then resume to the same metrics as an uninterrupted run; flat rewards; injected non-finite losses."""
+"""Failures: kill -9 during a step and during a checkpoint save (one process and 2-rank torchrun), Ctrl-C and
+SIGTERM, then resume to the same metrics as an uninterrupted run; a killed rank that torchrun restarts and that
+resumes by itself; hangs (a frozen rank, a stalled weight sync, a hung reward) that end as named errors; a
+checkpoint write that fails; flat rewards; injected non-finite losses."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -103,28 +106,128 @@ def test_kill_during_checkpoint_save_keeps_previous(tmp_path, tiny_model_dir, re
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_ctrl_c_finishes_the_step_checkpoints_and_resumes_exactly(tmp_path, tiny_model_dir, reference_runs, ranks):
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_stop_signal_finishes_the_step_checkpoints_and_resumes_exactly(tmp_path, tiny_model_dir, reference_runs,
+                                                                       ranks, stop_signal):
+    """Ctrl-C, and a scheduler's preemption (SIGTERM), on every rank."""
     from models.checkpoint import latest_checkpoint
     run_dir = tmp_path / "interrupted"
     command = _command(tmp_path, tiny_model_dir, "interrupted", ranks=ranks, extra=["trainer.save_every=0"])
-    # SIGINT to the whole process group, as a terminal's Ctrl-C sends it (torchrun then forwards its own copy).
+    # The signal goes to the whole process group, as a terminal's Ctrl-C or a scheduler's preemption sends it
+    # (torchrun then forwards its own copy to each rank).
     process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
     deadline = time.time() + 300
     while not ((run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().strip()):
         assert process.poll() is None and time.time() < deadline, "the run ended before its first step"
         time.sleep(0.05)
-    os.killpg(process.pid, signal.SIGINT)
+    os.killpg(process.pid, stop_signal)
     _, err = process.communicate(timeout=300)
     steps_done = len(_metrics(run_dir))
-    assert "interrupt: finishing this step" in err and "continue with --resume" in err, err[-3000:]
+    name = signal.Signals(stop_signal).name
+    assert f"{name}: finishing this step" in err, err[-3000:]
+    for rank in range(ranks):
+        assert f"rank {rank}: stopped by {name} after step {steps_done}" in err and "trainer.resume=auto" in err, err[-3000:]
     if ranks == 1:  # torchrun itself ends with its own SignalException traceback
-        assert process.returncode == 130 and "Traceback" not in err, err[-3000:]
+        assert process.returncode == 128 + stop_signal and "Traceback" not in err, err[-3000:]
     # The interrupted step was finished, not cut: the one checkpoint is at the last logged step.
     assert 1 <= steps_done < 4
     assert latest_checkpoint(run_dir / "checkpoints") == run_dir / "checkpoints" / f"step_{steps_done}"
     _run(_command(tmp_path, tiny_model_dir, "interrupted", ranks=ranks, extra=["--resume"]))
     assert _stable(_metrics(run_dir)) == _stable(reference_runs[ranks])
+
+
+def _rank_pid(torchrun_pid: int, rank: int) -> int:
+    """The pid of torchrun's worker process with RANK=rank (its children carry their rank in the environment)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == torchrun_pid \
+                    and f"RANK={rank}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                return int(entry.name)
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended while we looked
+    raise AssertionError(f"no worker with RANK={rank} under torchrun pid {torchrun_pid}")
+
+
+def _wait_for(condition, process, what: str, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert process.poll() is None, f"the run ended before {what}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_killed_rank_restarts_and_resumes_by_itself(tmp_path, tiny_model_dir, reference_runs):
+    """torchrun --max-restarts restarts the group after a rank's kill -9; trainer.resume=auto continues from the
+    latest complete checkpoint, and the steps after it equal the uninterrupted run's."""
+    run_dir = tmp_path / "elastic"
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node=2", "--max-restarts=1",
+                "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "launch.train"]
+    command = _command(tmp_path, tiny_model_dir, "elastic", launcher=torchrun, extra=["trainer.resume=auto"])
+    with open(tmp_path / "stderr.txt", "w") as err:
+        process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=err,
+                                   start_new_session=True)
+        # Killed during step 3: the step-2 checkpoint is complete, step 3's metrics are not yet written.
+        _wait_for(lambda: (run_dir / "checkpoints" / "step_2" / "COMPLETE").exists(), process, "the step-2 checkpoint")
+        os.kill(_rank_pid(process.pid, 1), signal.SIGKILL)
+        assert process.wait(timeout=400) == 0, (tmp_path / "stderr.txt").read_text()[-5000:]
+    assert len(_metrics(run_dir)) == 4 and _stable(_metrics(run_dir)) == _stable(reference_runs[2])
+
+
+def test_rank_that_stops_answering_ends_the_run_naming_phase_step_and_rank(tmp_path, tiny_model_dir):
+    """A frozen rank (SIGSTOP) leaves the other waiting in a collective: after trainer.collective_timeout_s it
+    fails with the phase, the step and its rank named, instead of hanging."""
+    command = _command(tmp_path, tiny_model_dir, "frozen", ranks=2, extra=["trainer.collective_timeout_s=5"])
+    errors = tmp_path / "stderr.txt"
+    with open(errors, "w") as err:
+        process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=err,
+                                   start_new_session=True)
+        try:
+            _wait_for(lambda: (tmp_path / "frozen" / "metrics.jsonl").exists(), process, "the first step")
+            os.kill(_rank_pid(process.pid, 1), signal.SIGSTOP)
+            started = time.time()
+            _wait_for(lambda: "RunFailed" in errors.read_text(), process, "rank 0's error", timeout=120)
+            waited = time.time() - started
+        finally:
+            os.killpg(process.pid, signal.SIGKILL)  # the frozen rank answers nothing but SIGKILL
+            process.wait()
+    text = errors.read_text()
+    assert re.search(r"RunFailed: [\w ()]+ failed at step [2-4] on rank 0: .*Timed out waiting 5000ms.*\(a collective "
+                     r"waited longer than trainer\.collective_timeout_s=5 s: another rank stopped answering\)", text), text[-5000:]
+    assert waited < 60, waited
+
+
+def test_stalled_weight_sync_ends_the_run_naming_phase_step_and_rank(tmp_path, tiny_model_dir):
+    # Sync calls: 1 at start-up, then one per step: the 3rd is step 2's.
+    stalling = [sys.executable, str(ROOT / "tests" / "faults.py"), "--stall-sync-at", "3", "--"]
+    finished = subprocess.run(_command(tmp_path, tiny_model_dir, "stalled", launcher=stalling,
+                                       extra=["rollout.sync_timeout_s=2"]),
+                              cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
+    assert finished.returncode == 124, finished.stderr[-3000:]
+    assert "error: weight sync (phase: sync) at step 2 on rank 0 did not finish within rollout.sync_timeout_s=2 s" \
+        in finished.stderr, finished.stderr[-3000:]
+    assert "stalling_sync" in finished.stderr  # the stack of the stalled thread says where it stopped
+    assert len(_metrics(tmp_path / "stalled")) == 1
+
+
+def test_failed_checkpoint_write_keeps_the_previous_one_and_resumes(tmp_path, tiny_model_dir, reference_runs):
+    """A checkpoint that cannot be written (the disk is full: here, no file may grow past 1 MiB after the first
+    save) ends the run naming the path and the bytes needed; the previous checkpoint stays the latest, resuming
+    from it reproduces the run, and keep_last deletes it only once a newer one is complete."""
+    from models.checkpoint import latest_checkpoint
+    checkpoints = tmp_path / "full" / "checkpoints"
+    limited = [sys.executable, str(ROOT / "tests" / "faults.py"), "--file-size-limit-after-saves", "1", str(1 << 20), "--"]
+    finished = subprocess.run(_command(tmp_path, tiny_model_dir, "full", launcher=limited, extra=["trainer.keep_last=1"]),
+                              cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
+    assert finished.returncode == 1, finished.stderr[-3000:]
+    assert re.search(rf"RunFailed: checkpoint failed at step 4 on rank 0: CheckpointWriteError: writing checkpoint "
+                     rf"{re.escape(str(checkpoints / 'step_4'))} failed on rank 0 while writing the weights: .*File too "
+                     rf"large.*It needs about [\d,]+ bytes", finished.stderr), finished.stderr[-3000:]
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["step_2"]  # no partial directory left
+    assert latest_checkpoint(checkpoints) == checkpoints / "step_2"
+    _run(_command(tmp_path, tiny_model_dir, "full", extra=["trainer.keep_last=1", "--resume"]))
+    assert _stable(_metrics(tmp_path / "full")) == _stable(reference_runs[1])
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["step_4"]
 
 
 def _in_process(tmp_path, model_dir, run_name, steps, *extra):
@@ -133,6 +236,25 @@ def _in_process(tmp_path, model_dir, run_name, steps, *extra):
     from launch.train import parse_args, run
     args = parse_args(_command(tmp_path, model_dir, run_name, steps=steps, extra=extra)[3:])
     return run(load_config(None, args.overrides), DistInfo())
+
+
+def test_hung_reward_ends_the_run_naming_phase_step_rank_and_row(tmp_path, tiny_model_dir, reference_runs):
+    """Rewards scored in worker processes: a reward that never returns is abandoned after reward.timeout_s, and the
+    steps before it were scored exactly as the serial reference run scored them."""
+    import torch
+
+    from launch.train import RunFailed
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the reference run's OMP_NUM_THREADS=1: float sums then add up in the same order
+    try:  # this run's sampler reaches row index 5 in step 3
+        with pytest.raises(RunFailed, match=r"rollout_reward failed at step 3 on rank 0: RuntimeError: reward "
+                                            r"'tests_vowels' failed on row index 5: no result within reward\.timeout_s=2 s"):
+            _in_process(tmp_path, tiny_model_dir, "hung", 4, "reward.num_workers=2", "reward.timeout_s=2",
+                        "reward.functions={tests_vowels: 'rewards_for_tests:hangs_on_row_5'}")
+    finally:
+        torch.set_num_threads(threads)
+    hung, reference = _stable(_metrics(tmp_path / "hung")), _stable(reference_runs[1])[:2]
+    assert hung == reference, [(k, a[k], b.get(k)) for a, b in zip(hung, reference) for k in a if a[k] != b.get(k)]
 
 
 def test_flat_rewards_run_without_nan_and_say_so(tmp_path, tiny_model_dir, capsys):
