@@ -108,11 +108,10 @@ def check_config(cfg: Config, dist) -> tuple[list[dict], list[dict]]:
         raise ConfigError(f"rollout.num_threads={cfg.rollout.num_threads}: give at least 1, or null for torch's setting")
     if cfg.stage == "rl" and cfg.rollout.n < 2:
         raise ConfigError(f"rollout.n={cfg.rollout.n}: a group needs at least 2 completions for a baseline")
-    batch = cfg.trainer.prompts_per_step * cfg.rollout.n
-    if cfg.trainer.micro_batch_size < 1 or (cfg.stage == "rl" and batch % cfg.trainer.micro_batch_size
-                                            and cfg.trainer.micro_batch_size < batch):
-        raise ConfigError(f"trainer.micro_batch_size={cfg.trainer.micro_batch_size} does not divide the batch "
-                          f"trainer.prompts_per_step * rollout.n = {batch}")
+    if cfg.stage == "rl":
+        _check_rl(cfg)
+    elif cfg.trainer.micro_batch_size < 1:
+        raise ConfigError(f"trainer.micro_batch_size={cfg.trainer.micro_batch_size}: give at least 1")
     if len(rows) < dist.world_size:
         raise ConfigError(f"data.train_files: {len(rows)} rows cannot feed world size {dist.world_size}")
     if cfg.algorithm.overlong_cache_len > cfg.rollout.max_new_tokens:
@@ -121,6 +120,49 @@ def check_config(cfg: Config, dist) -> tuple[list[dict], list[dict]]:
     if cfg.init_from is not None and not Path(cfg.init_from).is_dir():
         raise ConfigError(f"init_from: checkpoint directory not found: {cfg.init_from}")
     return rows, eval_rows
+
+
+# A sequence-level ratio (GSPO) moves by the MEAN token log-ratio, a few 1e-4 per update: a clip range meant
+# for token ratios (0.2) would never bind. GSPO's paper uses 3e-4 / 4e-4; anything above this is refused.
+SEQUENCE_CLIP_LIMIT = 0.05
+
+
+def _check_rl(cfg: Config) -> None:
+    """The RL batch arithmetic and the algorithm settings that contradict each other."""
+    algo, trainer, rollout = cfg.algorithm, cfg.trainer, cfg.rollout
+    mini = algo.ppo_mini_batch_size
+    if mini is not None and (mini < 1 or trainer.prompts_per_step % mini):
+        raise ConfigError(f"algorithm.ppo_mini_batch_size={mini} does not divide trainer.prompts_per_step="
+                          f"{trainer.prompts_per_step} (both count prompts per rank; one optimizer step each)")
+    if algo.ppo_epochs < 1:
+        raise ConfigError(f"algorithm.ppo_epochs={algo.ppo_epochs}: give at least 1")
+    rows = (mini or trainer.prompts_per_step) * rollout.n
+    size = trainer.micro_batch_size
+    if trainer.max_tokens_per_micro_batch < 0:
+        raise ConfigError(f"trainer.max_tokens_per_micro_batch={trainer.max_tokens_per_micro_batch}: give a token "
+                          f"budget, or 0 to form micro-batches of trainer.micro_batch_size rows")
+    if not trainer.max_tokens_per_micro_batch and (size < 1 or (rows % size and size < rows)):
+        raise ConfigError(f"trainer.micro_batch_size={size} does not divide the mini-batch of {rows} sequences "
+                          f"((algorithm.ppo_mini_batch_size or trainer.prompts_per_step) * rollout.n)")
+    if algo.ratio_level == "sequence" and max(algo.clip_low, algo.clip_high) > SEQUENCE_CLIP_LIMIT:
+        raise ConfigError(f"algorithm.ratio_level=sequence (GSPO) with algorithm.clip_low={algo.clip_low}, "
+                          f"algorithm.clip_high={algo.clip_high}: a sequence ratio is exp of a MEAN log-ratio and "
+                          f"moves far less than a token's, so a token-level range never clips; GSPO uses "
+                          f"clip_low=3e-4, clip_high=4e-4 (at most {SEQUENCE_CLIP_LIMIT} accepted)")
+    if algo.kl_in_reward and algo.kl_coef <= 0:
+        raise ConfigError(f"algorithm.kl_in_reward=true needs algorithm.kl_coef > 0 (got {algo.kl_coef}): it "
+                          f"is the coefficient of the KL subtracted from the reward")
+    if algo.tis_cap is not None and (rollout.top_p < 1 or rollout.top_k > 0):
+        # The engines report logprobs of the distribution they sampled from, here the renormalised nucleus;
+        # the trainer's are of the full one, so exp(old - rollout) would be each token's nucleus mass, a
+        # down-weighting of uncertain tokens, not the engine/trainer mismatch truncated IS is meant to correct.
+        raise ConfigError(f"algorithm.tis_cap={algo.tis_cap} with rollout.top_p={rollout.top_p}, rollout.top_k="
+                          f"{rollout.top_k}: truncated importance sampling compares the engine's logprobs of the "
+                          f"truncated distribution with the trainer's of the full one; sample with top_p: 1.0 "
+                          f"and top_k: 0, or set algorithm.tis_cap: null")
+    if cfg.model.packed_logprobs and cfg.model.attn_implementation == "eager":
+        raise ConfigError("model.packed_logprobs=true runs on sdpa or flash_attention_2; "
+                          "model.attn_implementation=eager cannot pack")
 
 
 def _tokenize_prompts(cfg: Config, tokenizer, rows: list[dict], key: str) -> list[list[int]]:
@@ -161,35 +203,51 @@ class Reference:
             return completion_logprobs(self.model, batch, temperature=self.temperature, chunk_size=self.chunk_size)[0]
 
 
+def _load(cfg: Config, dist, source: str | None, key: str, load: dict, *, gradient_checkpointing: bool = False,
+          prepare: Callable[[torch.nn.Module], object] | None = None) -> torch.nn.Module:
+    """One model, `prepare`d (LoRA), sharded under torchrun. With several ranks only rank 0 reads the weights;
+    the others build the model on the meta device and receive their shards (models.fsdp.load_sharded_model),
+    so a node never holds a full copy per rank (8 ranks x 8B in fp32 would be 256 GB of host memory)."""
+    from models import load_model
+    try:
+        if dist.world_size > 1:
+            from models.fsdp import load_sharded_model
+            return load_sharded_model(source, dist.mesh, param_dtype=getattr(torch, cfg.model.param_dtype),
+                                      device=dist.device, attn_implementation=load["attn_implementation"],
+                                      gradient_checkpointing=gradient_checkpointing, dtype=load["dtype"],
+                                      trust_remote_code=load["trust_remote_code"], prepare=prepare)
+        model = load_model(source, gradient_checkpointing=gradient_checkpointing, **load)
+        if prepare is not None:
+            prepare(model)
+        return model
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{key}: {error}") from None
+
+
 def _policy(cfg: Config, dist, source: str | None, key: str, load: dict):
     """(Policy, reference-logprob function or None): the model (LoRA adapters applied, sharded under torchrun),
     fused AdamW over its trainable weights, the warmup/decay schedule, and the frozen KL reference."""
-    from models import load_model
-    try:
-        model = load_model(source, gradient_checkpointing=cfg.model.gradient_checkpointing, **load)
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"{key}: {error}") from None
-    model.train()  # gradient checkpointing and dropout only act in train mode; engines restore it after generate
-    lora = cfg.model.lora
+    lora, prepare = cfg.model.lora, None
     if lora.enabled:
         from models.lora import apply_lora
-        try:
-            apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
-                       target_modules=lora.target_modules, seed=cfg.seed)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
+
+        def prepare(model):
+            try:
+                apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                           target_modules=lora.target_modules, seed=cfg.seed)
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
+    model = _load(cfg, dist, source, key, load, gradient_checkpointing=cfg.model.gradient_checkpointing,
+                  prepare=prepare)
+    model.train()  # gradient checkpointing and dropout only act in train mode; engines restore it after generate
     reference = None
     if cfg.stage == "rl" and cfg.algorithm.kl_coef > 0:
         # LoRA: the policy with its adapters off (no second model); else the frozen starting model.
-        reference_model = model if lora.enabled else load_model(source, **load).eval().requires_grad_(False)
+        reference_model = model if lora.enabled else _load(cfg, dist, source, key, load).eval().requires_grad_(False)
         reference = Reference(reference_model, adapters_off=lora.enabled, temperature=cfg.rollout.temperature,
                               chunk_size=cfg.model.logprob_chunk_size)
-    if dist.world_size > 1:
-        from models.fsdp import shard
-        param_dtype = getattr(torch, cfg.model.param_dtype)
-        shard(model, dist.mesh, param_dtype=param_dtype)
-        if reference is not None and not lora.enabled:
-            shard(reference.model, dist.mesh, param_dtype=param_dtype)
     # fused: one kernel over all parameters (CPU and CUDA, DTensor shards too); measured 4x faster than the
     # per-parameter loop on CPU (bench/README.md).
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr,
@@ -220,6 +278,11 @@ def build(cfg: Config, dist, *, resume: bool = False, stop_requested: Callable[[
     except (OSError, ValueError) as error:
         raise ConfigError(f"{key}: {error}") from None
     prompt_ids = _tokenize_prompts(cfg, tokenizer, rows, "data.train_files")
+    budget = cfg.trainer.max_tokens_per_micro_batch
+    longest = max(len(ids) for ids in prompt_ids) + cfg.rollout.max_new_tokens
+    if cfg.stage == "rl" and budget and longest > budget:
+        raise ConfigError(f"trainer.max_tokens_per_micro_batch={budget} is less than the longest sequence a step "
+                          f"can hold: {longest} tokens (the longest prompt + rollout.max_new_tokens)")
     eval_prompt_ids = _tokenize_prompts(cfg, tokenizer, eval_rows, "data.eval_files")
     examples = _sft_examples(cfg, tokenizer, rows, prompt_ids) if cfg.stage == "sft" else []
 
