@@ -167,11 +167,14 @@ def train_rl(cfg: Config, dist: Collectives, parts: RLParts) -> dict:
         rollout_logprobs = padded([c.logprobs for c in completions], mask.shape[1])
         kl_in_loss = ref_logprobs if algo.kl_coef > 0 and not algo.kl_in_reward else None
 
-        # 5. Update: ppo_epochs passes over the mini-batches, one optimizer step per mini-batch.
-        lr, updates = scheduler.get_last_lr()[0], []
+        # 5. Update: ppo_epochs passes over the mini-batches, one optimizer step per mini-batch. A mini-batch
+        # with nothing to train on any rank (only DAPO filler groups) takes no step: AdamW would still move.
+        lr, updates, grad_norm = scheduler.get_last_lr()[0], [], 0.0
         with timed(times, "update"):
             for epoch in range(algo.ppo_epochs):
                 for mini, denominator in zip(micro, denominators):
+                    if denominator == 0:
+                        continue
                     loss_sum = 0.0
                     for piece, mb in mini:
                         rows, columns = piece.rows, mb["completion_mask"].shape[1]

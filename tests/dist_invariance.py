@@ -1,6 +1,6 @@
 """One RL step through grpo.trainer.train_rl on 2 ranks (FSDP2, gloo), run by tests/test_loop_invariance.py as
-`torchrun --nproc_per_node=2 tests/dist_invariance.py OUT_DIR MODEL_DIR ROWS`; each case of
-loop_harness.CASES runs with P = 2 prompts per rank, micro-batches of 2, and rank 0 saves the weights after
+`torchrun --nproc_per_node=2 tests/dist_invariance.py OUT_DIR MODEL_DIR ROWS [CASE ...]`; each case of
+loop_harness.CASES (or those named) runs with P = 2 prompts per rank, micro-batches of 2, and rank 0 saves the weights after
 the step to OUT_DIR/<case>.safetensors and the logged metrics to results.json. The pytest side compares them
 with 1 process x 4 prompts."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ def run_cases(mesh, shared) -> dict:
     out_dir, model_dir, rows = sys.argv[1], sys.argv[2], sys.argv[3]
     dist = init_distributed()
     results = {}
-    for case in CASES:
+    for case in sys.argv[4:] or CASES:
         started = time.perf_counter()
         weights, metrics = run_case(case_overrides(case, dist.world_size, model_dir, rows, shared), dist)
         print(f"rank {dist.rank} {case}: {time.perf_counter() - started:.1f} s", flush=True)

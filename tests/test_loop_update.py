@@ -58,13 +58,14 @@ ROWS = [{"prompt": [{"role": "user", "content": f"q{i}"}], "data_source": "toy",
 ANSWERS = {0: ["a", "b"], 1: ["cc", "a"]}  # prompt i (the one token i) -> its G = 2 completions
 
 
-def run_update(*overrides) -> tuple[torch.Tensor, list]:
-    """One RL step on the constant policy from w = 0 with SGD at lr 1; returns (w after, logged metrics)."""
+def run_update(*overrides, answers=ANSWERS, optimizer_steps=None) -> tuple[torch.Tensor, list]:
+    """One RL step on the constant policy from w = 0 with SGD at lr 1; returns (w after, logged metrics).
+    optimizer_steps: a list that gets one entry per optimizer step taken."""
     cfg = load_config(None, ["rollout.n=2", "rollout.max_new_tokens=2", "trainer.prompts_per_step=2",
                              "trainer.steps=1", "algorithm.adv_scale=none", "algorithm.clip_low=0.2",
                              "algorithm.clip_high=0.2", "algorithm.agg=token-mean", *overrides])
     model = ConstantPolicy([0.0, 0.0, 0.0])
-    engine = ScriptedEngine(lambda prompt: [([LETTERS.index(c) for c in text], text) for text in ANSWERS[prompt[0]]])
+    engine = ScriptedEngine(lambda prompt: [([LETTERS.index(c) for c in text], text) for text in answers[prompt[0]]])
     decode = lambda ids: ["".join(LETTERS[i] for i in ids[:k]) for k in range(len(ids) + 1)]  # noqa: E731
     placeholder = torch.optim.SGD(model.parameters(), lr=0.0)
     log = MemoryLog()
@@ -72,6 +73,9 @@ def run_update(*overrides) -> tuple[torch.Tensor, list]:
                     sync_weights=lambda: {}, reference_logprobs=None, rows=ROWS, prompt_ids=[[0], [1]],
                     sampler=PromptSampler(2, seed=0, shuffle=False), scorer=Scorer(exact_match, decode), pad_id=0,
                     log=log, checkpoints=NoCheckpoints())
+    if optimizer_steps is not None:
+        step = parts.policy.optimizer.step
+        parts.policy.optimizer.step = lambda *args, **kwargs: (optimizer_steps.append(1), step(*args, **kwargs))[1]
     train_rl(cfg, DistInfo(), parts)
     return model.lm_head.weight.detach()[:, 0].double(), log.steps
 
@@ -113,3 +117,17 @@ def test_one_mini_batch_is_one_step_on_the_whole_batch():
     w, steps = run_update("trainer.micro_batch_size=1")
     torch.testing.assert_close(w, torch.tensor([-1 / 30, -2 / 15, 1 / 6], dtype=torch.float64), rtol=0, atol=1e-7)
     assert steps[-1][1]["ratio_first_update"] == 1.0
+
+
+def test_a_mini_batch_of_filler_groups_takes_no_optimizer_step():
+    # Dynamic sampling with one round: prompt 1's answers "a", "b" are both wrong (ground truth "cc"), so its
+    # group is dropped and fills the batch with loss weight 0, last. With one prompt per mini-batch, the second
+    # mini-batch has nothing to train on any rank: no step (AdamW would move the weights on momentum alone).
+    steps = []
+    w, logged = run_update("algorithm.ppo_mini_batch_size=1", "algorithm.ppo_epochs=2", "algorithm.dynamic_sampling=true",
+                           "algorithm.max_gen_batches=1", answers={0: ["a", "b"], 1: ["a", "b"]}, optimizer_steps=steps)
+    assert len(steps) == 2 and logged[-1][1]["kept_group_frac"] == 0.5
+    # Both steps are prompt 0's: e0 as above (w1 = (.25, -.25, 0)); e1 at w1, old = w0: p = (.4192290,
+    # .2542752, ...), rho_a = 1.2576869 > 1.2 with A > 0: clipped; rho_b = .7628256 < .8 with A < 0: clipped.
+    # No gradient: w stays w1.
+    torch.testing.assert_close(w, torch.tensor([0.25, -0.25, 0.0], dtype=torch.float64), rtol=0, atol=1e-7)
