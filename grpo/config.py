@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from grpo.advantages import SCALES
-from grpo.losses import AGGREGATIONS, IS_LEVELS, KL_KINDS
+from grpo.losses import AGGREGATIONS, IS_LEVELS, KL_KINDS, RATIO_LEVELS
 from grpo.schedule import SCHEDULES
 
 STAGES = ("rl", "sft")
@@ -105,6 +105,10 @@ class ModelConfig:
     """Run code shipped with a model directory. Off unless you trust it."""
     logprob_chunk_size: int = bounded(1024, 1)
     """Completion positions projected to the vocabulary at once in logprob passes (bounds peak memory)."""
+    packed_logprobs: bool = False
+    """Run the trainer's logprob passes padding-free (models.logprobs.completion_logprobs(packed=True)): each
+    distinct prompt once and every completion at its own length. The same values up to float rounding; sdpa
+    or flash_attention_2 only."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (off by default)."""
 
@@ -167,7 +171,8 @@ class RolloutConfig:
     temperature: float = bounded(1.0, 0, low_open=True)
     """Sampling temperature; the trainer's logprobs use the same temperature."""
     top_p: float = bounded(1.0, 0, 1, low_open=True)
-    """Nucleus sampling; < 1 biases the importance ratio (the trainer does not truncate)."""
+    """Nucleus sampling. The trainer does not truncate: with top_p < 1 the engine's logprobs are of the
+    renormalised nucleus, so algorithm.tis_cap with top_p < 1 (or top_k > 0) is refused at start-up."""
     top_k: int = bounded(0, 0)
     """Top-k sampling; 0 is off."""
     stop: list[str] = field(default_factory=list)
@@ -206,8 +211,24 @@ class AlgorithmConfig:
     """Weight of the KL penalty to the frozen reference model; 0 means no reference model at all."""
     kl_kind: str = choice("k3", KL_KINDS)
     """k1, abs, k2 or k3."""
+    kl_in_reward: bool = False
+    """verl's use_kl_in_reward: kl_coef * KL (kl_kind, of the rollout policy against the reference) leaves the
+    reward instead of joining the loss: each completion's reward loses kl_coef * its summed token KL before
+    advantages (grpo.shaping.kl_reward_penalty). Needs kl_coef > 0."""
     ppo_epochs: int = bounded(1, 1)
-    """Passes over each rollout batch; with 1, old logprobs are the current ones detached (no extra pass)."""
+    """Passes over each rollout batch. With one optimizer step per rollout (1 epoch, 1 mini-batch) the old
+    logprobs are the current ones detached; otherwise one extra pass computes them once, before the first
+    update."""
+    ppo_mini_batch_size: int | None = bounded(None, 1)
+    """Prompts per optimizer step, per rank like trainer.prompts_per_step (verl's ppo_mini_batch_size counts
+    prompts over all ranks: this times the world size); each mini-batch is one optimizer step, each epoch
+    visits them in order. null: the whole batch. Must divide trainer.prompts_per_step."""
+    ratio_level: str = choice("token", RATIO_LEVELS)
+    """token (PPO/GRPO/DAPO) or sequence (GSPO: one ratio per sequence, exp of the mean token log-ratio; use
+    GSPO's small clip ranges, e.g. clip_low 3e-4, clip_high 4e-4, and agg seq-mean-token-mean)."""
+    entropy_coef: float = bounded(0.0, 0)
+    """Entropy bonus: the loss subtracts entropy_coef * the aggregated token entropy (same agg and global
+    denominator as the policy loss); 0 is off."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose correctness is constant and generate more until the batch is full."""
     max_gen_batches: int = bounded(3, 1)
@@ -247,7 +268,10 @@ class TrainerConfig:
     prompts_per_step: int = bounded(2, 1)
     """P: prompts per rank per step (each rank owns whole groups)."""
     micro_batch_size: int = bounded(8, 1)
-    """Sequences per forward/backward."""
+    """Sequences per forward/backward (when max_tokens_per_micro_batch is 0)."""
+    max_tokens_per_micro_batch: int = bounded(0, 0)
+    """Form micro-batches by token count instead: at most this many prompt + completion tokens each
+    (models.batching.micro_batches_by_tokens), every rank the same number. 0: micro_batch_size rows."""
     sft_batch_size: int = bounded(8, 1)
     """SFT: examples per step per rank."""
     sft_max_len: int = bounded(1024, 1)

@@ -1,4 +1,5 @@
-"""The clipped policy-gradient surrogate (PPO/GRPO/DAPO), its aggregations, KL estimators and truncated IS.
+"""The clipped policy-gradient surrogate (PPO/GRPO/DAPO, token-level; GSPO, sequence-level), its aggregations,
+KL estimators and truncated IS.
 
 The denominator of every aggregation may be passed in from outside so that the trainer can divide by the
 count of the WHOLE optimizer step (all micro-batches, all ranks): then gradient accumulation and world
@@ -14,6 +15,7 @@ from grpo.checks import check_choice, check_floating, check_ndim, check_same_sha
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "abs", "k2", "k3")
 IS_LEVELS = ("token", "sequence")
+RATIO_LEVELS = ("token", "sequence")
 LOG_RATIO_LIMIT = 20.0  # exp(20) ~ 5e8: large enough never to bind on sane data, small enough to stay finite
 K3_LIMIT = 10.0
 
@@ -71,6 +73,28 @@ def aggregate(
     return masked.sum() / (denominator * max_len)
 
 
+def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """GSPO's sequence-level log-ratio in its per-token form (Zheng et al. 2025, "GSPO-token"; verl's
+    compute_policy_loss_gspo computes the same): value log s_i = masked mean over t of (logprobs - old), the
+    same on every token of sequence i; gradient that of logprobs[i, t] on token t, scaled by nothing.
+
+    logprobs, old_logprobs, mask: [B, T]. Returns [B, T] float: sg(log s_i) + logprobs - sg(logprobs). Then
+    exp of it is s_i in value, and d exp(.)/d logprobs[i, t] = s_i, so with per-sequence advantages and
+    "seq-mean-token-mean" aggregation the gradient is GSPO's: -A_i s_i (1/|y_i|) sum_t grad logprobs[i, t]
+    (per sequence, before averaging over sequences). An all-padding row has log-ratio 0.
+
+    >>> sequence_log_ratio(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.5]]), torch.ones(1, 2))
+    tensor([[0., 0.]])
+    """
+    check_ndim(logprobs, "logprobs", 2)
+    check_same_shape(old_logprobs, "old_logprobs", logprobs, "logprobs")
+    check_same_shape(mask, "mask", logprobs, "logprobs")
+    mask = mask.to(logprobs.dtype)
+    lengths = mask.sum(dim=1, keepdim=True).clamp(min=1)
+    per_sequence = ((logprobs - old_logprobs) * mask).sum(dim=1, keepdim=True) / lengths
+    return per_sequence.detach() + logprobs - logprobs.detach()
+
+
 def policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -84,6 +108,7 @@ def policy_loss(
     denominator: Tensor | float | None = None,
     max_len: int | None = None,
     is_weights: Tensor | None = None,
+    ratio_level: str = "token",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped surrogate: per token max(-A*rho, -A*clip(rho, 1-clip_low, 1+clip_high)), aggregated.
 
@@ -94,6 +119,9 @@ def policy_loss(
     clip-higher. dual_clip=c (c > 1, Ye et al. 2020) caps the token loss at -A*c where A < 0, so a huge
     ratio on a bad token cannot dominate. is_weights [B, T] (detached) multiply the token loss
     (truncated importance sampling for the rollout/trainer mismatch).
+    ratio_level "sequence" is GSPO: rho is the sequence's ratio s_i = exp(masked mean of the log-ratio) on
+    every token of sequence i (sequence_log_ratio), so a whole sequence is clipped or not; its clip ranges
+    are small (the GSPO paper: 3e-4 / 4e-4), since a mean of log-ratios moves far less than one token's.
     Returns (loss, metrics): detached 0-dim metrics clip_frac_upper / clip_frac_lower / clip_frac_dual
     (fractions of masked tokens), approx_kl (k3 of old vs new), ratio_mean, ratio_max.
     """
@@ -109,7 +137,11 @@ def policy_loss(
         check_same_shape(advantages, "advantages", logprobs, "logprobs")
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    check_choice(ratio_level, "ratio_level", RATIO_LEVELS)
+    token_log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    log_ratio = token_log_ratio
+    if ratio_level == "sequence":
+        log_ratio = sequence_log_ratio(logprobs, old_logprobs, mask).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -130,7 +162,8 @@ def policy_loss(
             "clip_frac_upper": masked_mean(((advantages > 0) & (ratio > 1.0 + clip_high)).to(m.dtype), m),
             "clip_frac_lower": masked_mean(((advantages < 0) & (ratio < 1.0 - clip_low)).to(m.dtype), m),
             "clip_frac_dual": masked_mean(dual_active.to(m.dtype), m),
-            "approx_kl": masked_mean(ratio - 1.0 - log_ratio, m),
+            # k3 of the TOKEN log-ratio at either ratio level (a KL estimate, not the clipped quantity).
+            "approx_kl": masked_mean(token_log_ratio.exp() - 1.0 - token_log_ratio, m),
             "ratio_mean": masked_mean(ratio, m),
             "ratio_max": torch.where(m > 0, ratio, torch.zeros_like(ratio)).max(),
         }

@@ -23,10 +23,13 @@ def _nanmean(values) -> float:
 def step_metrics(batch, rewards: Tensor, group_size: int, updates: list[dict], times: dict, *, grad_norm: float,
                  lr: float, skipped: float, sync_info: dict) -> dict:
     """Everything one step logs. batch: grpo.groups.Batch; rewards: [B] the rewards advantages were computed
-    from (overlong penalty included); `updates` holds one dict per micro-batch update (epoch 0 first)."""
+    from (overlong penalty included); `updates` holds one dict per micro-batch update (epoch 0 first).
+    Per-update metrics come from the updates that trained on some token: a micro-batch of filler groups
+    (dynamic sampling) has no ratio; a rank with none at all reports NaN, which reduce_metrics skips."""
     lengths = batch.lengths
     truncated = [c.finish_reason == "length" for c in batch.completions]
     tokens = sum(u["tokens"] for u in updates)
+    trained = [u for u in updates if u["tokens"] > 0]
     total_time = sum(times.values())
     metrics = {
         "reward_mean": float(rewards.mean()),
@@ -48,12 +51,11 @@ def step_metrics(batch, rewards: Tensor, group_size: int, updates: list[dict], t
     }
     for key in ("clip_frac_upper", "clip_frac_lower", "clip_frac_dual", "approx_kl", "ratio_mean", "entropy",
                 "logprob_gap", "kl"):
-        values = [u[key] for u in updates if key in u]
-        if values:
-            metrics[key] = _nanmean(values)
-    metrics["ratio_max"] = max(u["ratio_max"] for u in updates)
+        if any(key in u for u in updates):
+            metrics[key] = _nanmean([u[key] for u in trained if key in u])
+    metrics["ratio_max"] = max((u["ratio_max"] for u in trained), default=float("nan"))
     # On the first update of a rollout the ratio must be exactly 1 (old = current): a check on every run.
-    metrics["ratio_first_update"] = updates[0]["ratio_mean"]
+    metrics["ratio_first_update"] = trained[0]["ratio_mean"] if trained else float("nan")
     for key, values in batch.components.items():
         metrics[f"reward/{key}"] = _nanmean(values)
     if "format" in batch.components:
@@ -65,16 +67,21 @@ def step_metrics(batch, rewards: Tensor, group_size: int, updates: list[dict], t
 
 
 def reduce_metrics(metrics: dict, dist) -> dict:
-    """Average over ranks (max for *_max keys). Keys must match on every rank; per-component reward keys
-    (which depend on each rank's data sources) stay rank 0's own."""
+    """Average over the ranks that have a value (NaN: none, e.g. no trained token on that rank), max for *_max
+    keys. Keys must match on every rank; per-component reward keys (which depend on each rank's data sources)
+    stay rank 0's own."""
     if dist.world_size == 1:
         return metrics
     keys = sorted(k for k in metrics if not k.startswith("reward/"))
     mean_keys = [k for k in keys if not k.endswith("_max")]
     max_keys = [k for k in keys if k.endswith("_max")]
-    means = dist.all_reduce_sum(torch.tensor([metrics[k] for k in mean_keys], dtype=torch.float64,
-                                             device=dist.device)) / dist.world_size
-    maxes = dist.all_reduce_max(torch.tensor([metrics[k] for k in max_keys], dtype=torch.float64, device=dist.device))
+    values = torch.tensor([metrics[k] for k in mean_keys], dtype=torch.float64, device=dist.device)
+    present = ~values.isnan()
+    sums = dist.all_reduce_sum(torch.cat([torch.where(present, values, 0.0), present.to(torch.float64)]))
+    means = sums[: len(mean_keys)] / sums[len(mean_keys):]  # 0 / 0 = NaN where no rank has a value
+    maxes = torch.tensor([metrics[k] for k in max_keys], dtype=torch.float64, device=dist.device)
+    maxes = dist.all_reduce_max(torch.where(maxes.isnan(), float("-inf"), maxes))
+    maxes = torch.where(maxes == float("-inf"), float("nan"), maxes)  # no rank had a value
     out = dict(metrics)
     out.update({k: float(v) for k, v in zip(mean_keys, means.tolist())})
     out.update({k: float(v) for k, v in zip(max_keys, maxes.tolist())})

@@ -43,9 +43,10 @@ def train_sft(cfg: Config, dist: Collectives, parts: SFTParts) -> dict:
             loss.backward()
             loss_sum += float(loss.detach())
         lr = scheduler.get_last_lr()[0]
-        grad_norm, skips = optimizer_step(model, optimizer, scheduler, dist, parts.log, step=step,
-                                          loss=loss_sum, grad_clip=cfg.optim.grad_clip, skips=skips,
+        grad_norm, skips = optimizer_step(model, optimizer, dist, parts.log, step=step, loss=loss_sum,
+                                          grad_clip=cfg.optim.grad_clip, skips=skips,
                                           max_skips=tcfg.max_consecutive_skips)
+        scheduler.step()
         elapsed = time.perf_counter() - started
         loss_value = float(dist.all_reduce_sum(torch.tensor(loss_sum, dtype=torch.float64,
                                                             device=dist.device)))

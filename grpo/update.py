@@ -1,5 +1,7 @@
 """The end of every optimizer step, shared by the SFT and RL loops: clip to the global gradient norm, and step
 only when the loss and the norm are finite on every rank; otherwise skip, say so, and stop after too many.
+The learning-rate schedule is the loops' own: it advances once per training step (an RL step may take several
+optimizer steps, one per PPO mini-batch and epoch, all at the step's learning rate, as verl does).
 """
 from __future__ import annotations
 
@@ -17,11 +19,11 @@ def global_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
-def optimizer_step(model: torch.nn.Module, optimizer, scheduler, dist: Collectives, log: Log, *, step: int,
-                   loss: float, grad_clip: float, skips: int, max_skips: int) -> tuple[float, int]:
-    """Clip, then take the optimizer step (or skip it), zero the gradients and advance the schedule.
+def optimizer_step(model: torch.nn.Module, optimizer, dist: Collectives, log: Log, *, step: int, loss: float,
+                   grad_clip: float, skips: int, max_skips: int) -> tuple[float, int]:
+    """Clip, then take the optimizer step (or skip it) and zero the gradients.
 
-    loss: this rank's loss of the step (its sum over micro-batches). Every rank takes the same decision: the
+    loss: this rank's loss of the optimizer step (its sum over micro-batches). Every rank takes the same decision: the
     grad norm is global and the non-finite flag is reduced over ranks. Returns (grad norm, consecutive skips);
     raises RuntimeError when `max_skips` steps in a row were skipped, before any checkpoint of such weights.
     """
@@ -40,5 +42,4 @@ def optimizer_step(model: torch.nn.Module, optimizer, scheduler, dist: Collectiv
         skips = 0
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
     return grad_norm, skips

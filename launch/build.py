@@ -81,35 +81,51 @@ class Reference:
             return completion_logprobs(self.model, batch, temperature=self.temperature, chunk_size=self.chunk_size)[0]
 
 
+def _load(cfg: Config, dist, source: str | None, key: str, load: dict, *, gradient_checkpointing: bool = False,
+          prepare: Callable[[torch.nn.Module], object] | None = None) -> torch.nn.Module:
+    """One model, `prepare`d (LoRA), sharded under torchrun. With several ranks only rank 0 reads the weights;
+    the others build the model on the meta device and receive their shards (models.fsdp.load_sharded_model),
+    so a node never holds a full copy per rank (8 ranks x 8B in fp32 would be 256 GB of host memory)."""
+    from models import load_model
+    try:
+        if dist.world_size > 1:
+            from models.fsdp import load_sharded_model
+            return load_sharded_model(source, dist.mesh, param_dtype=getattr(torch, cfg.model.param_dtype),
+                                      device=dist.device, attn_implementation=load["attn_implementation"],
+                                      gradient_checkpointing=gradient_checkpointing, dtype=load["dtype"],
+                                      trust_remote_code=load["trust_remote_code"], prepare=prepare)
+        model = load_model(source, gradient_checkpointing=gradient_checkpointing, **load)
+        if prepare is not None:
+            prepare(model)
+        return model
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{key}: {error}") from None
+
+
 def _policy(cfg: Config, dist, source: str | None, key: str, load: dict):
     """(Policy, reference-logprob function or None): the model (LoRA adapters applied, sharded under torchrun),
     fused AdamW over its trainable weights, the warmup/decay schedule, and the frozen KL reference."""
-    from models import load_model
-    try:
-        model = load_model(source, gradient_checkpointing=cfg.model.gradient_checkpointing, **load)
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"{key}: {error}") from None
-    model.train()  # gradient checkpointing and dropout only act in train mode; engines restore it after generate
-    lora = cfg.model.lora
+    lora, prepare = cfg.model.lora, None
     if lora.enabled:
         from models.lora import apply_lora
-        try:
-            apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
-                       target_modules=lora.target_modules, seed=cfg.seed)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
+
+        def prepare(model):
+            try:
+                apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                           target_modules=lora.target_modules, seed=cfg.seed)
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
+    model = _load(cfg, dist, source, key, load, gradient_checkpointing=cfg.model.gradient_checkpointing,
+                  prepare=prepare)
+    model.train()  # gradient checkpointing and dropout only act in train mode; engines restore it after generate
     reference = None
     if cfg.stage == "rl" and cfg.algorithm.kl_coef > 0:
         # LoRA: the policy with its adapters off (no second model); else the frozen starting model.
-        reference_model = model if lora.enabled else load_model(source, **load).eval().requires_grad_(False)
+        reference_model = model if lora.enabled else _load(cfg, dist, source, key, load).eval().requires_grad_(False)
         reference = Reference(reference_model, adapters_off=lora.enabled, temperature=cfg.rollout.temperature,
                               chunk_size=cfg.model.logprob_chunk_size)
-    if dist.world_size > 1:
-        from models.fsdp import shard
-        param_dtype = getattr(torch, cfg.model.param_dtype)
-        shard(model, dist.mesh, param_dtype=param_dtype)
-        if reference is not None and not lora.enabled:
-            shard(reference.model, dist.mesh, param_dtype=param_dtype)
     # fused: one kernel over all parameters (CPU and CUDA, DTensor shards too); measured 4x faster than the
     # per-parameter loop on CPU (bench/README.md).
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr,

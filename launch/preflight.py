@@ -51,10 +51,8 @@ def _check_settings(cfg: Config) -> None:
     tcfg = cfg.trainer
     if cfg.stage == "rl" and cfg.rollout.n < 2:
         raise ConfigError(f"rollout.n={cfg.rollout.n}: a group needs at least 2 completions for a baseline")
-    batch = tcfg.prompts_per_step * cfg.rollout.n
-    if cfg.stage == "rl" and batch % tcfg.micro_batch_size and tcfg.micro_batch_size < batch:
-        raise ConfigError(f"trainer.micro_batch_size={tcfg.micro_batch_size} does not divide the batch "
-                          f"trainer.prompts_per_step * rollout.n = {batch}")
+    if cfg.stage == "rl":
+        _check_rl(cfg)
     if cfg.algorithm.overlong_cache_len > cfg.rollout.max_new_tokens:
         raise ConfigError(f"algorithm.overlong_cache_len={cfg.algorithm.overlong_cache_len} exceeds "
                           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
@@ -68,6 +66,44 @@ def _check_settings(cfg: Config) -> None:
                           "that hangs inside the training process cannot be abandoned")
     if cfg.init_from is not None and not Path(cfg.init_from).is_dir():
         raise ConfigError(f"init_from: checkpoint directory not found: {cfg.init_from}")
+
+
+# A sequence-level ratio (GSPO) moves by the MEAN token log-ratio, a few 1e-4 per update: a clip range meant
+# for token ratios (0.2) would never bind. GSPO's paper uses 3e-4 / 4e-4; anything above this is refused.
+SEQUENCE_CLIP_LIMIT = 0.05
+
+
+def _check_rl(cfg: Config) -> None:
+    """The RL batch arithmetic and the algorithm settings that contradict each other."""
+    algo, trainer, rollout = cfg.algorithm, cfg.trainer, cfg.rollout
+    mini = algo.ppo_mini_batch_size
+    if mini is not None and trainer.prompts_per_step % mini:
+        raise ConfigError(f"algorithm.ppo_mini_batch_size={mini} does not divide trainer.prompts_per_step="
+                          f"{trainer.prompts_per_step} (both count prompts per rank; one optimizer step each)")
+    rows = (mini or trainer.prompts_per_step) * rollout.n
+    size = trainer.micro_batch_size
+    if not trainer.max_tokens_per_micro_batch and rows % size and size < rows:
+        raise ConfigError(f"trainer.micro_batch_size={size} does not divide the mini-batch of {rows} sequences "
+                          f"((algorithm.ppo_mini_batch_size or trainer.prompts_per_step) * rollout.n)")
+    if algo.ratio_level == "sequence" and max(algo.clip_low, algo.clip_high) > SEQUENCE_CLIP_LIMIT:
+        raise ConfigError(f"algorithm.ratio_level=sequence (GSPO) with algorithm.clip_low={algo.clip_low}, "
+                          f"algorithm.clip_high={algo.clip_high}: a sequence ratio is exp of a MEAN log-ratio and "
+                          f"moves far less than a token's, so a token-level range never clips; GSPO uses "
+                          f"clip_low=3e-4, clip_high=4e-4 (at most {SEQUENCE_CLIP_LIMIT} accepted)")
+    if algo.kl_in_reward and algo.kl_coef <= 0:
+        raise ConfigError(f"algorithm.kl_in_reward=true needs algorithm.kl_coef > 0 (got {algo.kl_coef}): it "
+                          f"is the coefficient of the KL subtracted from the reward")
+    if algo.tis_cap is not None and (rollout.top_p < 1 or rollout.top_k > 0):
+        # The engines report logprobs of the distribution they sampled from, here the renormalised nucleus;
+        # the trainer's are of the full one, so exp(old - rollout) would be each token's nucleus mass, a
+        # down-weighting of uncertain tokens, not the engine/trainer mismatch truncated IS is meant to correct.
+        raise ConfigError(f"algorithm.tis_cap={algo.tis_cap} with rollout.top_p={rollout.top_p}, rollout.top_k="
+                          f"{rollout.top_k}: truncated importance sampling compares the engine's logprobs of the "
+                          f"truncated distribution with the trainer's of the full one; sample with top_p: 1.0 "
+                          f"and top_k: 0, or set algorithm.tis_cap: null")
+    if cfg.model.packed_logprobs and cfg.model.attn_implementation == "eager":
+        raise ConfigError("model.packed_logprobs=true runs on sdpa or flash_attention_2; "
+                          "model.attn_implementation=eager cannot pack")
 
 
 def check_config(cfg: Config, dist) -> tuple[list[dict], list[dict]]:
@@ -180,6 +216,11 @@ def prepare(cfg: Config, dist) -> Prepared:
     except (OSError, ValueError) as error:
         raise ConfigError(f"{key}: {error}") from None
     prompt_ids = _tokenize_prompts(cfg, tokenizer, rows, "data.train_files")
+    budget = cfg.trainer.max_tokens_per_micro_batch
+    longest = max(len(ids) for ids in prompt_ids) + cfg.rollout.max_new_tokens
+    if cfg.stage == "rl" and budget and longest > budget:
+        raise ConfigError(f"trainer.max_tokens_per_micro_batch={budget} is less than the longest sequence a step "
+                          f"can hold: {longest} tokens (the longest prompt + rollout.max_new_tokens)")
     eval_prompt_ids = _tokenize_prompts(cfg, tokenizer, eval_rows, "data.eval_files")
     examples = _sft_examples(cfg, tokenizer, rows, prompt_ids) if cfg.stage == "sft" else []
     pool = _start_reward_pool(cfg, rows + eval_rows) if cfg.reward.num_workers else None

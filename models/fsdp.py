@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -245,9 +245,17 @@ def load_sharded_model(
     attn_implementation: str = "auto",
     gradient_checkpointing: bool = False,
     trust_remote_code: bool = False,
+    dtype: torch.dtype = torch.float32,
+    prepare: Callable[[torch.nn.Module], object] | None = None,
 ) -> torch.nn.Module:
-    """Rank 0 reads the pretrained fp32 weights; every rank builds the model on `meta`, shards it, allocates
-    only its shards on `device`, and receives them from rank 0. Peak memory on ranks > 0 is one shard set."""
+    """Rank 0 reads the pretrained weights (in `dtype`, the master weights' dtype); every rank builds the model
+    on `meta`, shards it, allocates only its shards on `device`, and receives them from rank 0. Peak memory on
+    ranks > 0 is one shard set; rank 0 holds the full model once more while it loads.
+
+    prepare: called on the meta model of every rank before sharding (after gradient checkpointing is
+    enabled) and on rank 0's pretrained copy before its weights are sent, e.g. to inject LoRA adapters
+    (models.lora.apply_lora): both sides then name the same parameters, and rank 0's values (the adapters'
+    seeded initialisation included) are what every rank receives."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from models.loading import load_model, resolve_attn_implementation, resolve_model_dir
@@ -263,19 +271,23 @@ def load_sharded_model(
     config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code, local_files_only=True)
     config._attn_implementation = resolve_attn_implementation(attn_implementation, device)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+    if prepare is not None:
+        prepare(model)
     shard(model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
           reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
     model.to_empty(device="cpu" if cpu_offload else device)
-    full = None
+    full = pretrained = None
     if rank() == 0:
-        pretrained = load_model(directory, dtype=torch.float32, device="cpu", trust_remote_code=trust_remote_code)
+        pretrained = load_model(directory, dtype=dtype, device="cpu", trust_remote_code=trust_remote_code)
+        if prepare is not None:
+            prepare(pretrained)
         full = dict(named_weights(pretrained))
     load_full_weights(model, full)
-    del full
+    del full, pretrained
     recompute_non_persistent_buffers(model)
     model.generation_config = _generation_config(directory, model.generation_config)
     return model

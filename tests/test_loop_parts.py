@@ -135,14 +135,27 @@ def test_step_metrics_and_their_reduction_over_ranks():
     class TwoRanks:  # the other rank logged 0.0 for every mean key and 3.0 for every max key
         world_size, device = 2, torch.device("cpu")
 
-        def all_reduce_sum(self, tensor):
-            return tensor
+        def all_reduce_sum(self, tensor):  # [values of the mean keys, 1 where present]: add the other rank's
+            keys = len(tensor) // 2
+            return tensor + torch.cat([torch.zeros(keys, dtype=tensor.dtype), torch.ones(keys, dtype=tensor.dtype)])
 
         def all_reduce_max(self, tensor):
             return torch.maximum(tensor, torch.full_like(tensor, 3.0))
 
     reduced = reduce_metrics(metrics, TwoRanks())
     assert reduced["acc"] == 0.125 and reduced["ratio_max"] == 3.0 and reduced["reward/format"] == 0.5
+    # A rank that trained on no token (all its groups are dynamic-sampling fillers) has no ratio: NaN, which
+    # the mean over ranks skips, so the other rank's ratio_first_update of 1 stands.
+    filler = step_metrics(batch, batch.rewards, 2, [{"ratio_mean": 0.0, "ratio_max": 0.0, "tokens": 0.0}], {"update": 1.0},
+                          grad_norm=0.5, lr=1e-6, skipped=0.0, sync_info={})
+    assert math.isnan(filler["ratio_first_update"]) and math.isnan(filler["ratio_max"])
+
+    class OtherRankTrained(TwoRanks):  # the other rank logged 1.0 for every mean key
+        def all_reduce_sum(self, tensor):
+            keys = len(tensor) // 2
+            return tensor + torch.ones(2 * keys, dtype=tensor.dtype)
+
+    assert reduce_metrics(filler, OtherRankTrained())["ratio_first_update"] == 1.0
 
 
 def test_no_signal_warnings_need_a_streak():

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from grpo.advantages import group_advantages, shaped_advantages
+from grpo.advantages import batch_moments, completion_returns, group_advantages, moments_std, shaped_advantages
 
 REWARDS = [1, 0, 1, 1, 1, 1, 1, 1, 0.5, 0, 1, 0.2]
 
@@ -36,6 +36,46 @@ def test_batch_scale_reference():
     out = group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64), 2, scale="batch")
     expected = torch.tensor([0.5 / 0.500001, -0.5 / 0.500001, 0, 0], dtype=torch.float64)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+
+
+def test_batch_std_summed_over_ranks_is_the_whole_batch_std():
+    # Two "ranks" each hold 2 groups of 3; moments (count, sum, sum of squares) add up, so the std from the
+    # summed moments is torch's Bessel std of all 12 rewards, and each rank's advantages equal the slices of
+    # the advantages of the whole batch.
+    rewards = torch.rand(12, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    summed = batch_moments(rewards[:6]) + batch_moments(rewards[6:])
+    assert moments_std(summed).item() == pytest.approx(rewards.std().item(), abs=1e-14)
+    whole = group_advantages(rewards, 3, scale="batch")
+    parts = [group_advantages(rewards[s], 3, scale="batch", batch_std=moments_std(summed)) for s in (slice(0, 6),
+                                                                                                    slice(6, 12))]
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=0, atol=1e-14)
+    # Reference: [1, 0 | 1, 1] on rank 0 and [0, 0 | 1, 0] on rank 1: n = 8, sum 4, sum of squares 4;
+    # var = (4 - 16/8) / 7 = 2/7, std = .5345225; rank 0's first group [.5, -.5] / (.5345225 + 1e-6).
+    moments = batch_moments(torch.tensor([1.0, 0, 1, 1])) + batch_moments(torch.tensor([0.0, 0, 1, 0]))
+    assert moments.tolist() == [8.0, 4.0, 4.0] and moments.dtype == torch.float64
+    std = moments_std(moments)
+    assert std.item() == pytest.approx(math.sqrt(2 / 7), abs=1e-15)
+    out = group_advantages(torch.tensor([1.0, 0, 1, 1], dtype=torch.float64), 2, scale="batch", batch_std=std)
+    torch.testing.assert_close(out, torch.tensor([0.5, -0.5, 0, 0], dtype=torch.float64) / (math.sqrt(2 / 7) + 1e-6),
+                               rtol=0, atol=1e-15)
+
+
+def test_batch_moments_leave_out_zero_weight_rows_and_feed_shaped_advantages():
+    # Filler groups of dynamic sampling (loss weight 0) do not set the batch scale.
+    values = torch.tensor([1.0, 0.0, 5.0, 9.0])
+    assert batch_moments(values, torch.tensor([1.0, 1.0, 0.0, 0.0])).tolist() == [2.0, 1.0, 1.0]
+    assert moments_std(torch.tensor([1.0, 3.0, 9.0], dtype=torch.float64)).item() == 0.0  # one value: no spread
+    # shaped_advantages' statistics are over completion_returns; a given batch_std replaces the local one.
+    shaping = torch.tensor([[0.2, 0.0, 0.0], [0.0, 0.0, 0.0], [0.1, 0.1, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 0, 0]], dtype=torch.float64)
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5], dtype=torch.float64)
+    means = completion_returns(rewards, shaping, mask)  # [1 + .1, 0, .5 + .2/3, .5]
+    torch.testing.assert_close(means, torch.tensor([1.1, 0.0, 0.5 + 0.2 / 3, 0.5], dtype=torch.float64))
+    local = shaped_advantages(rewards, shaping, mask, 2, scale="batch")
+    given = shaped_advantages(rewards, shaping, mask, 2, scale="batch", batch_std=moments_std(batch_moments(means)))
+    torch.testing.assert_close(given, local, rtol=0, atol=1e-15)
+    halved = shaped_advantages(rewards, shaping, mask, 2, scale="batch", batch_std=2 * means.std() + 1e-6)
+    torch.testing.assert_close(halved, local / 2, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])

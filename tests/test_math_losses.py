@@ -1,12 +1,14 @@
-"""Policy loss, aggregations, KL estimators, truncated IS, overlong shaping and the DAPO group filter."""
+"""Policy loss (token level and GSPO's sequence level), aggregations, KL estimators, truncated IS, overlong
+shaping, the KL penalty in the reward and the DAPO group filter."""
 import math
 
 import pytest
 import torch
 
 from grpo.filters import keep_groups
-from grpo.losses import aggregate, kl_penalty, loss_denominator, policy_loss, truncated_is_weights
-from grpo.shaping import overlong_penalty
+from grpo.advantages import group_advantages
+from grpo.losses import aggregate, kl_penalty, loss_denominator, policy_loss, sequence_log_ratio, truncated_is_weights
+from grpo.shaping import kl_reward_penalty, overlong_penalty
 
 F64 = dict(dtype=torch.float64)
 MASK = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], **F64)
@@ -124,6 +126,88 @@ def test_policy_loss_bad_input():
         policy_loss(NEW, OLD, ADV, MASK, dual_clip=0.5)
     with pytest.raises(ValueError, match=r"logprobs must have 2 dimension\(s\), got shape \(5,\)"):
         policy_loss(NEW[0], OLD[0], ADV, MASK[0])
+
+
+def test_gspo_reference_numbers():
+    # Sequence log-ratios (masked means): seq 1 (.1 + .2 + .4) / 3 = .2333333, s1 = e^.2333333 = 1.2628023;
+    # seq 2 (-.3 - .1 + 0 + .3 + 1.4) / 5 = .26, s2 = e^.26 = 1.2969301. Every token of a sequence carries its s.
+    # GSPO's clip 3e-4 / 4e-4: seq 1 (A = +1) max(-s1, -1.0004) = -1.0004, clipped; seq 2 (A = -.5)
+    # max(.5 s2, .5 * 1.0004) = .6484650, not clipped (A < 0 and s > 1 + eps is the pessimistic side).
+    # seq-mean-token-mean: (-1.0004 + .6484650) / 2 = -.1759675; token-mean: (3 * -1.0004 + 5 * .6484650) / 8.
+    logprobs = NEW.clone().requires_grad_(True)
+    kwargs = dict(clip_low=3e-4, clip_high=4e-4, ratio_level="sequence")
+    loss, metrics = policy_loss(logprobs, OLD, ADV, MASK, agg="seq-mean-token-mean", **kwargs)
+    assert loss.item() == pytest.approx(-0.17596747833355703, abs=1e-12)
+    assert policy_loss(NEW, OLD, ADV, MASK, **kwargs)[0].item() == pytest.approx(0.03014065208305372, abs=1e-12)
+    assert metrics["clip_frac_upper"].item() == 3 / 8 and metrics["clip_frac_lower"].item() == 0.0
+    assert metrics["ratio_max"].item() == pytest.approx(math.exp(0.26), abs=1e-12)
+    # Gradient: seq 1 is clipped (0 everywhere); seq 2's tokens get d(.5 s2)/d logp_t / 2 sequences with
+    # d s2 / d logp_t = s2 / 5: .5 * 1.2969301 / 5 / 2 = .0648465 on each of its 5 tokens.
+    loss.backward()
+    assert (logprobs.grad[0] == 0).all()
+    torch.testing.assert_close(logprobs.grad[1], torch.full((5,), 0.5 * math.exp(0.26) / 10, **F64), rtol=0,
+                               atol=1e-15)
+    # A token-level clip range with a sequence ratio: 0.2 / 0.28 clips neither sequence here; seq 1 now gets
+    # -s1 / 3 / 2 = -.2104671 per token, and the loss is (-1.2628023 + .6484650) / 2 = -.3071686.
+    logprobs = NEW.clone().requires_grad_(True)
+    loss, _ = policy_loss(logprobs, OLD, ADV, MASK, clip_low=0.2, clip_high=0.28, agg="seq-mean-token-mean",
+                          ratio_level="sequence")
+    loss.backward()
+    assert loss.item() == pytest.approx(-0.30716864998045773, abs=1e-12)
+    torch.testing.assert_close(logprobs.grad[0, :3], torch.full((3,), -math.exp(0.7 / 3) / 6, **F64), rtol=0,
+                               atol=1e-15)
+    assert (logprobs.grad[0, 3:] == 0).all()
+
+
+def test_gspo_token_form_equals_the_sequence_objective():
+    # With one advantage per sequence and seq-mean-token-mean, GSPO-token's loss and gradient are GSPO's own:
+    # mean_i max(-A_i s_i, -A_i clip(s_i)), s_i = exp(mean_t (logp - old)), differentiated through s_i.
+    gen = torch.Generator().manual_seed(1)
+    old = -torch.rand(6, 7, generator=gen, **F64) * 3
+    new = old + 0.05 * torch.randn(6, 7, generator=gen, **F64)
+    advantages = torch.randn(6, generator=gen, **F64)
+    mask = (torch.rand(6, 7, generator=gen) > 0.3).to(torch.float64)
+    mask[:, 0] = 1
+    token_form = new.clone().requires_grad_(True)
+    loss, _ = policy_loss(token_form, old, advantages, mask, clip_low=0.01, clip_high=0.012,
+                          agg="seq-mean-token-mean", ratio_level="sequence")
+    loss.backward()
+    direct = new.clone().requires_grad_(True)
+    s = torch.exp(((direct - old) * mask).sum(1) / mask.sum(1))
+    expected = torch.maximum(-advantages * s, -advantages * s.clamp(1 - 0.01, 1 + 0.012)).mean()
+    expected.backward()
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-14)
+    torch.testing.assert_close(token_form.grad, direct.grad, rtol=0, atol=1e-15)
+    # Value: the sequence's mean log-ratio on every masked token of it.
+    log_ratio = sequence_log_ratio(new, old, mask)
+    torch.testing.assert_close(log_ratio[:, :1], (((new - old) * mask).sum(1) / mask.sum(1))[:, None])
+    # One-token sequences: the sequence ratio is the token ratio.
+    one = torch.ones(6, 1, **F64)
+    torch.testing.assert_close(policy_loss(new[:, :1], old[:, :1], advantages, one, ratio_level="sequence")[0],
+                               policy_loss(new[:, :1], old[:, :1], advantages, one)[0], rtol=0, atol=1e-15)
+    with pytest.raises(ValueError, match="unknown ratio_level 'seq'; valid: token, sequence"):
+        policy_loss(NEW, OLD, ADV, MASK, ratio_level="seq")
+
+
+def test_kl_in_reward_reference_numbers():
+    # verl's use_kl_in_reward with a fixed coefficient: token rewards lose beta * kl_t, and GRPO's outcome
+    # advantage sums them. old - ref = [.5, -1 | .2 (padding ignored: mask 0)], beta = .1.
+    # k1: sums .5 - 1 = -.5 and 0 -> penalties +.05 and 0.
+    # k3: exp(-.5) + .5 - 1 = .1065307, exp(1) - 1 - 1 = .7182818 -> -.1 * .82481248817 = -.0824812488;
+    # row 2: 0.
+    old = torch.tensor([[-1.0, -2.0], [-0.3, -0.5]], **F64)
+    ref = torch.tensor([[-1.5, -1.0], [-0.5, -0.5]], **F64)
+    mask = torch.tensor([[1, 1], [0, 0]], **F64)
+    k1 = kl_reward_penalty(kl_penalty(old, ref, "k1"), mask, 0.1)
+    torch.testing.assert_close(k1, torch.tensor([0.05, 0.0], **F64), rtol=0, atol=1e-15)
+    k3 = kl_reward_penalty(kl_penalty(old, ref, "k3"), mask, 0.1)
+    torch.testing.assert_close(k3, torch.tensor([-0.0824812488172, 0.0], **F64), rtol=0, atol=1e-11)
+    # Then the group advantage of rewards [1, 1] is no longer flat: [1 - .0824812, 1] -> A = [-.7071, .7071]
+    # (two values: (r - mean) / (std + eps) with std = |diff| / sqrt(2)).
+    advantages = group_advantages(torch.tensor([1.0, 1.0], **F64) + k3, 2)
+    torch.testing.assert_close(advantages, torch.tensor([-1.0, 1.0], **F64) / math.sqrt(2), rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match="coef must be >= 0"):
+        kl_reward_penalty(kl_penalty(old, ref), mask, -0.1)
 
 
 def test_kl_reference_numbers():
