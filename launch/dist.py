@@ -58,7 +58,17 @@ def init_distributed(timeout_s: float = 1800.0) -> DistInfo:
     if world_size == 1:
         return DistInfo(device=device)
     if not torch_dist.is_initialized():
-        torch_dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        timeout, backend = datetime.timedelta(seconds=timeout_s), "nccl" if cuda else "gloo"
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's store outlives a restart (--max-restarts) with the dead attempt's keys still in it, and
+            # gloo would dial the dead ranks' old addresses: every attempt gets keys of its own.
+            store = torch_dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                        is_master=False, timeout=timeout)
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            torch_dist.init_process_group(backend, store=torch_dist.PrefixStore(f"nanogrpo/attempt_{attempt}", store),
+                                          rank=int(os.environ["RANK"]), world_size=world_size, timeout=timeout)
+        else:
+            torch_dist.init_process_group(backend, timeout=timeout)
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(device.type, (world_size,))
     return DistInfo(rank=torch_dist.get_rank(), world_size=world_size, local_rank=local_rank, device=device,
