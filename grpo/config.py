@@ -307,6 +307,9 @@ class TrainerConfig:
     "after" is this stage's start)."""
     eval_max_new_tokens: int = bounded(0, 0)
     """Held-out evaluation length (0: rollout.max_new_tokens)."""
+    eval_batch_size: int = bounded(16, 1)
+    """Held-out prompts completed at once (similar lengths together); larger batches decode faster per prompt
+    on CPU (48 instead of 16: 47 s -> 39 s for 48 task prompts) and need more KV-cache memory."""
 
 
 @dataclass

@@ -198,7 +198,8 @@ def _assemble(cfg: Config, dist, prepared: Prepared, stop_requested: Callable[[]
     if eval_rows:
         held_out = HeldOut(functools.partial(
             evaluate, engine, scorer, eval_rows, prepared.eval_prompt_ids, dist,
-            max_new_tokens=cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens))
+            max_new_tokens=cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens,
+            batch_size=cfg.trainer.eval_batch_size))
     if cfg.stage == "sft":
         parts = SFTParts(policy, prepared.examples, sampler, pad_id, log, checkpoints, evaluate=held_out)
     else:

@@ -1,6 +1,6 @@
 """`make demo`: what RL adds, on the embedded SmolLM2-135M-Instruct and a task the project generates itself.
 
-    python -m launch.demo [--out runs/demo] [--heldout-rows 96] [--heldout-seed 1] [key.sub=value ...]
+    python -m launch.demo [--out runs/demo] [--heldout-rows 64] [--heldout-seed 1] [key.sub=value ...]
 
 The generated evidence task (data.synthetic: claims about invented companies, numbered context sentences,
 SUPPORTS / REFUTES / NOT_ENOUGH_INFO, gold evidence known) is scored with the SciFact evidence reward
@@ -59,18 +59,27 @@ def table(rows: list[tuple[str, dict, str | None, dict | None]]) -> str:
     return "\n".join(lines)
 
 
-def curves(arms: list[tuple[str, Path, int, dict]], path: Path) -> None:
+def _eval_point(step: int, result: dict) -> dict:
+    point = {"step": step}
+    for key, (mean, low, high) in result["means"].items():
+        point.update({f"eval/{key}": mean, f"eval/{key}_low": low, f"eval/{key}_high": high})
+    return point
+
+
+def curves(arms: list[tuple[str, Path, int, dict, dict]], path: Path) -> None:
     """One figure: held-out reward and label accuracy (with 95% bands) and the training reward over steps.
-    arms: (name, run directory, step offset on the shared axis, held-out result at the arm's start)."""
+    arms: (name, run directory, step offset on the shared axis, held-out result at the arm's start, at its end);
+    an arm's held-out points are those it logged (trainer.eval_every), plus its start and end results."""
     from launch.plot import training_curves
     runs = {}
-    for name, run_dir, offset, start in arms:
+    for name, run_dir, offset, start, end in arms:
         records = [record for _, record in iter_jsonl(run_dir / "metrics.jsonl")]
-        if not any(record["step"] == 0 for record in records):  # the arm started from the previous arm's end
-            first = {"step": 0}
-            for key, (mean, low, high) in start["means"].items():
-                first.update({f"eval/{key}": mean, f"eval/{key}_low": low, f"eval/{key}_high": high})
-            records.insert(0, first)
+        evaluated = {record["step"] for record in records if "eval/reward" in record}
+        if 0 not in evaluated:  # the arm started from the previous arm's end (or from the base model)
+            records.insert(0, _eval_point(0, start))
+        last = max((record["step"] for record in records), default=0)
+        if last not in evaluated:
+            records.append(_eval_point(last, end))
         runs[name] = [{**record, "step": record["step"] + offset} for record in records]
     training_curves(runs, path, curves=(("eval/reward", "held-out reward (greedy)"),
                                         ("eval/acc", "held-out label accuracy (greedy)"),
@@ -81,7 +90,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/demo", help="demo directory (data/, base_grpo/, sft/, grpo/)")
     parser.add_argument("--train-rows", type=int, default=800)
-    parser.add_argument("--heldout-rows", type=int, default=96)
+    parser.add_argument("--heldout-rows", type=int, default=64)
     parser.add_argument("--heldout-seed", type=int, default=1, help="generator seed of the held-out rows (not 0)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides applied to every arm")
     args = parser.parse_args(argv)
@@ -100,12 +109,14 @@ def main(argv=None) -> int:
     common = [f"data.train_files=['{train_file}']", f"data.eval_files=['{heldout_file}']",
               f"trainer.out_dir={out.parent}"]
     dist = init_distributed()
-    started, results = time.perf_counter(), {}
+    started, results, minutes = time.perf_counter(), {}, {}
 
     def arm(name: str, recipe: str, *extra: str) -> tuple:
         cfg = load_config(CONFIGS / recipe, common + [f"trainer.run_name={out.name}/{name}", *extra,
                                                       *args.overrides])
+        arm_started = time.perf_counter()
         summary = run(cfg, dist)
+        minutes[name] = (time.perf_counter() - arm_started) / 60
         if "interrupted" in summary:
             print(f"interrupted: {name} checkpoint under {summary['run_dir']}/checkpoints", file=sys.stderr)
             raise SystemExit(128 + summary["signal"])  # 130 after Ctrl-C, 143 after SIGTERM
@@ -116,7 +127,7 @@ def main(argv=None) -> int:
     base_cfg, base_grpo = arm("base_grpo", "demo_base.yaml", "trainer.eval_before=false")
     sft_checkpoint = out / "sft" / "checkpoints" / f"step_{sft_cfg.trainer.steps}"
     rl_cfg, rl = arm("grpo", "demo.yaml", f"init_from={sft_checkpoint}", "trainer.eval_before=false")
-    minutes = (time.perf_counter() - started) / 60
+    total = (time.perf_counter() - started) / 60
 
     base = sft["before"]
     rows = [("base model", base, None, None),
@@ -127,12 +138,14 @@ def main(argv=None) -> int:
             if "flat_group_frac" in record]
     report = table(rows) + (f"\n\nGRPO from the base model: flat-group fraction {sum(flat) / len(flat):.2f} over "
                             f"its {len(flat)} steps (1.00: every group's rewards equal, no gradient).")
-    curves([("GRPO from base", Path(base_grpo["run_dir"]), 0, base), ("SFT", Path(sft["run_dir"]), 0, base),
-            ("SFT then GRPO", Path(rl["run_dir"]), sft_cfg.trainer.steps, sft["after"])], out / "curves.png")
+    curves([("GRPO from base", Path(base_grpo["run_dir"]), 0, base, base_grpo["after"]),
+            ("SFT", Path(sft["run_dir"]), 0, base, sft["after"]),
+            ("SFT then GRPO", Path(rl["run_dir"]), sft_cfg.trainer.steps, sft["after"], rl["after"])], out / "curves.png")
     (out / "summary.md").write_text(report + "\n")
     (out / "summary.json").write_text(json.dumps({name: {k: s[k] for k in ("run_dir", "before", "after")}
                                                   for name, s in results.items()}, indent=1))
-    print(f"\nTraining and evaluation took {minutes:.1f} min. Runs: {', '.join(s['run_dir'] for s in results.values())}"
+    each = ", ".join(f"{name} {arm_minutes:.1f}" for name, arm_minutes in minutes.items())
+    print(f"\nTraining and evaluation took {total:.1f} min ({each}). Runs: {', '.join(s['run_dir'] for s in results.values())}"
           f"\n\n{report}\n\nCurves: {out / 'curves.png'}\n")
     return 0
 

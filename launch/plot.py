@@ -103,22 +103,24 @@ def training_curves(runs: dict[str, list[dict]], path: Path, curves=CURVES) -> l
     if not keys:
         return []
     figure, axes = _grid(Figure, len(keys), 4.5, 3.2)
+    colours = {name: f"C{index % 10}" for index, name in enumerate(runs)}  # a run keeps its colour in every panel
     for axis, (key, title) in zip(axes, keys):
         for name, records in runs.items():
             points = [(record["step"], _number(record[key])) for record in records if key in record]
             points = [(step, value) for step, value in points if math.isfinite(value)]
             if points:
-                line, = axis.plot(*zip(*points), marker="." if len(points) < 30 else None, label=name)
+                axis.plot(*zip(*points), marker="." if len(points) < 30 else None, color=colours[name])
                 band = [(r["step"], _number(r[f"{key}_low"]), _number(r[f"{key}_high"])) for r in records
                         if f"{key}_low" in r and f"{key}_high" in r]
                 band = [b for b in band if math.isfinite(b[1]) and math.isfinite(b[2])]
                 if band:
                     steps, lows, highs = zip(*band)
-                    axis.fill_between(steps, lows, highs, color=line.get_color(), alpha=0.15, linewidth=0)
+                    axis.fill_between(steps, lows, highs, color=colours[name], alpha=0.15, linewidth=0)
         axis.set_title(title)
         axis.set_xlabel("step")
         axis.grid(alpha=0.3)
-    axes[0].legend(fontsize="small")
+    from matplotlib.lines import Line2D
+    axes[0].legend([Line2D([], [], color=colours[name], marker=".") for name in runs], list(runs), fontsize="small")
     figure.savefig(path, dpi=100)
     return [key for key, _ in keys]
 
