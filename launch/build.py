@@ -40,7 +40,11 @@ class HeldOut:
     def result(self, step: int) -> dict:
         """The whole result after step `step` (per-prompt values and records included)."""
         if step not in self.results:
-            self.results[step] = self.evaluate_rows()
+            try:
+                self.results[step] = self.evaluate_rows()
+            except Exception as error:  # the run fails naming the phase and the step; the last checkpoint stays
+                error.add_note("phase: held-out evaluation")
+                raise
         return self.results[step]
 
     def __call__(self, step: int) -> dict:
