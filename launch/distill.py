@@ -25,7 +25,7 @@ import torch
 
 from data.distill import DistillReport, distill_example, write_distilled, write_report
 from data.verifier import convert_verifier, rebalance
-from launch.eval import _load_engine, exit_2_on_bad_input, resolve_model
+from launch.eval import load_engine, exit_2_on_bad_input, resolve_model
 
 
 def sample_teacher(engine, prompt_ids: list[list[int]], *, samples: int, max_new_tokens: int, temperature: float,
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model(args.teacher)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    engine, tokenizer = _load_engine(args.engine, model_dir, device, dtype, max_model_len=args.max_model_len)
+    engine, tokenizer = load_engine(args.engine, model_dir, device, dtype, max_model_len=args.max_model_len)
     batch_size = args.batch_size or (len(rows) if args.engine == "vllm" else 8)
     kept, report = distill_rows(engine, tokenizer, rows, samples=args.samples,
                                 max_reasoning_tokens=args.max_reasoning_tokens, per_example=args.per_example,

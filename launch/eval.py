@@ -191,7 +191,7 @@ def compare(directories: list[str]) -> str:
     return markdown_tables({name: evaluation["metrics"] for name, evaluation in zip(names, evaluations)})
 
 
-def _load_engine(engine_kind: str, model_dir: Path | None, device: str, dtype: str, max_model_len: int):
+def load_engine(engine_kind: str, model_dir: Path | None, device: str, dtype: str, max_model_len: int):
     """(engine, tokenizer); the tokenizer comes from the same directory as the weights."""
     import torch
 
@@ -221,7 +221,7 @@ def evaluate_command(args: argparse.Namespace) -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     batch_size = args.batch_size or (len(records) if args.engine == "vllm" else DEFAULT_BATCH_SIZE)
-    engine, tokenizer = _load_engine(args.engine, model_dir, device, dtype, max_model_len=args.max_model_len)
+    engine, tokenizer = load_engine(args.engine, model_dir, device, dtype, max_model_len=args.max_model_len)
     predictions, metrics = evaluate_records(engine, tokenizer, records, max_new_tokens=args.max_new_tokens,
                                             batch_size=batch_size, relaxed=args.relaxed)
     name = "default" if model_dir is None else Path(args.model).name
