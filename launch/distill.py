@@ -25,7 +25,7 @@ import torch
 
 from data.distill import DistillReport, distill_example, write_distilled, write_report
 from data.verifier import convert_verifier, rebalance
-from launch.eval import load_engine, exit_2_on_bad_input, resolve_model
+from launch.eval import exit_2_on_bad_input, load_engine, resolve_model
 
 
 def sample_teacher(engine, prompt_ids: list[list[int]], *, samples: int, max_new_tokens: int, temperature: float,
