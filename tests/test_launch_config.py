@@ -17,8 +17,12 @@ CONFIGS = Path(__file__).resolve().parents[1] / "launch" / "configs"
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in CONFIGS.glob("*.yaml")))
 def test_every_recipe_parses(recipe):
+    import dataclasses
+
+    from launch.preflight import _check_settings
     cfg = load_config(CONFIGS / recipe)
     assert isinstance(cfg, Config) and cfg.stage in ("rl", "sft")
+    _check_settings(dataclasses.replace(cfg, init_from=None))  # its settings agree with each other (files aside)
 
 
 def test_overrides_apply_and_coerce():
