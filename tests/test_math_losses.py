@@ -80,14 +80,21 @@ def test_clipped_tokens_get_zero_gradient():
     assert grad[0, 0].item() == pytest.approx(-1.0 * math.exp(0.1) / 8, abs=1e-12)
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_micro_batches_with_global_denominator_equal_full_batch(agg):
-    gen = torch.Generator().manual_seed(0)
+def _random_batch(seed: int, step: float):
+    """6 sequences x 7 tokens: old logprobs, new = old + step * noise, per-sequence advantages, a mask whose
+    first token is always kept (float64)."""
+    gen = torch.Generator().manual_seed(seed)
     old = -torch.rand(6, 7, generator=gen, **F64) * 3
-    new = old + 0.3 * torch.randn(6, 7, generator=gen, **F64)
+    new = old + step * torch.randn(6, 7, generator=gen, **F64)
     advantages = torch.randn(6, generator=gen, **F64)
     mask = (torch.rand(6, 7, generator=gen) > 0.3).to(torch.float64)
     mask[:, 0] = 1
+    return old, new, advantages, mask
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batches_with_global_denominator_equal_full_batch(agg):
+    old, new, advantages, mask = _random_batch(seed=0, step=0.3)
     kwargs = dict(clip_high=0.28, dual_clip=3.0, agg=agg, max_len=7)
     full = new.clone().requires_grad_(True)
     policy_loss(full, old, advantages, mask, **kwargs)[0].backward()
@@ -162,12 +169,7 @@ def test_gspo_reference_numbers():
 def test_gspo_token_form_equals_the_sequence_objective():
     # With one advantage per sequence and seq-mean-token-mean, GSPO-token's loss and gradient are GSPO's own:
     # mean_i max(-A_i s_i, -A_i clip(s_i)), s_i = exp(mean_t (logp - old)), differentiated through s_i.
-    gen = torch.Generator().manual_seed(1)
-    old = -torch.rand(6, 7, generator=gen, **F64) * 3
-    new = old + 0.05 * torch.randn(6, 7, generator=gen, **F64)
-    advantages = torch.randn(6, generator=gen, **F64)
-    mask = (torch.rand(6, 7, generator=gen) > 0.3).to(torch.float64)
-    mask[:, 0] = 1
+    old, new, advantages, mask = _random_batch(seed=1, step=0.05)
     token_form = new.clone().requires_grad_(True)
     loss, _ = policy_loss(token_form, old, advantages, mask, clip_low=0.01, clip_high=0.012,
                           agg="seq-mean-token-mean", ratio_level="sequence")
