@@ -140,13 +140,15 @@ def main(argv=None) -> int:
                             f"its {len(flat)} steps (1.00: every group's rewards equal, no gradient).")
     curves([("GRPO from base", Path(base_grpo["run_dir"]), 0, base, base_grpo["after"]),
             ("SFT", Path(sft["run_dir"]), 0, base, sft["after"]),
-            ("SFT then GRPO", Path(rl["run_dir"]), sft_cfg.trainer.steps, sft["after"], rl["after"])], out / "curves.png")
+            ("SFT then GRPO", Path(rl["run_dir"]), sft_cfg.trainer.steps, sft["after"], rl["after"])],
+           out / "curves.png")
     (out / "summary.md").write_text(report + "\n")
     (out / "summary.json").write_text(json.dumps({name: {k: s[k] for k in ("run_dir", "before", "after")}
                                                   for name, s in results.items()}, indent=1))
     each = ", ".join(f"{name} {arm_minutes:.1f}" for name, arm_minutes in minutes.items())
-    print(f"\nTraining and evaluation took {total:.1f} min ({each}). Runs: {', '.join(s['run_dir'] for s in results.values())}"
-          f"\n\n{report}\n\nCurves: {out / 'curves.png'}\n")
+    runs = ", ".join(summary["run_dir"] for summary in results.values())
+    print(f"\nTraining and evaluation took {total:.1f} min ({each}). Runs: {runs}\n\n{report}\n\n"
+          f"Curves: {out / 'curves.png'}\n")
     return 0
 
 
