@@ -47,7 +47,8 @@ def test_recipe_runs_one_step(recipe, recipe_data, tiny_model_dir, tmp_path):
     rows = files[_data_source(recipe)]
     base = load_config(CONFIGS / recipe)
     overrides = [f"model.name_or_path={tiny_model_dir}", "init_from=null", f"data.train_files=['{rows}']",
-                 "data.eval_files=[]", "rollout.engine=hf", "rollout.max_new_tokens=8", "trainer.steps=1",
+                 "data.eval_files=[]", "trainer.eval_every=0", "rollout.engine=hf", "rollout.max_new_tokens=8",
+                 "trainer.steps=1",
                  "trainer.save_every=0", f"trainer.out_dir={tmp_path}", "trainer.run_name=r",
                  "model.param_dtype=float32", "trainer.sft_max_len=2048", "data.max_prompt_tokens=2048"]
     if base.reward.corpus_index is not None:
