@@ -1,6 +1,7 @@
 """Bad input fails at start-up through the real entry point with a message that names the file, line, key or
 value (exit code 2, no traceback), and nothing is written to the run directory."""
 import json
+import re
 import shutil
 
 import pytest
@@ -41,6 +42,13 @@ def _data_cases(tmp):
     ]
 
 
+def _assert_refused(code: int, message: str, capsys, tmp, overrides) -> None:
+    """Exit 2 with `message` on stderr, no traceback, and no run directory written."""
+    err = capsys.readouterr().err
+    assert code == 2 and re.search(message, err), (overrides, err[-600:])
+    assert "Traceback" not in err and not (tmp / "runs").exists(), overrides
+
+
 def test_bad_data_files(setup, capsys):
     tmp, base = setup
     for name, path, message in _data_cases(tmp):
@@ -52,7 +60,6 @@ def test_bad_data_files(setup, capsys):
 
 
 def test_bad_configs_models_and_checkpoints(setup, capsys, tiny_model_dir):
-    import re
     tmp, base = setup
     no_weights = tmp / "no_weights"
     no_weights.mkdir()
@@ -75,10 +82,7 @@ def test_bad_configs_models_and_checkpoints(setup, capsys, tiny_model_dir):
         (["--resume"], r"--resume: no complete checkpoint"),
     ]
     for overrides, message in cases:
-        code = main(base + overrides)
-        err = capsys.readouterr().err
-        assert code == 2 and re.search(message, err), (overrides, err[-600:])
-        assert "Traceback" not in err and not (tmp / "runs").exists(), overrides
+        _assert_refused(main(base + overrides), message, capsys, tmp, overrides)
 
 
 def test_corrupt_checkpoint_is_refused(setup, capsys):
@@ -121,7 +125,6 @@ NONSENSE = [
 
 @pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "start"])
 def test_nonsense_settings_are_refused_at_start_up(setup, capsys, monkeypatch, dry_run):
-    import re
 
     import models
     tmp, base = setup
@@ -129,9 +132,7 @@ def test_nonsense_settings_are_refused_at_start_up(setup, capsys, monkeypatch, d
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded before the checks"))
     for overrides, message in NONSENSE:
         code = main(base + overrides.split() + (["--dry-run"] if dry_run else []))
-        err = capsys.readouterr().err
-        assert code == 2 and re.search(message, err), (overrides, err[-600:])
-        assert "Traceback" not in err and not (tmp / "runs").exists(), overrides
+        _assert_refused(code, message, capsys, tmp, overrides)
 
 
 def test_dry_run_checks_and_writes_nothing(setup, capsys):
