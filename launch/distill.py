@@ -25,7 +25,7 @@ import torch
 
 from data.distill import DistillReport, distill_example, write_distilled, write_report
 from data.verifier import convert_verifier, rebalance
-from launch.eval import exit_2_on_bad_input, load_engine, resolve_model
+from launch.eval import add_engine_arguments, exit_2_on_bad_input, load_engine, resolve_model
 
 
 def sample_teacher(engine, prompt_ids: list[list[int]], *, samples: int, max_new_tokens: int, temperature: float,
@@ -89,11 +89,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--no-rebalance", action="store_true",
                         help="keep the input's label ratio (default: 1:1 correct/incorrect, as data.verifier)")
     parser.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (default 8; vllm: all)")
-    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
-    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu (hf engine)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                        help="default: bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--max-model-len", type=int, default=4096, help="vllm: prompt + completion tokens")
+    add_engine_arguments(parser)
     return parser.parse_args(argv)
 
 

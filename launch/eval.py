@@ -191,6 +191,15 @@ def compare(directories: list[str]) -> str:
     return markdown_tables({name: evaluation["metrics"] for name, evaluation in zip(names, evaluations)})
 
 
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """--engine, --device, --dtype, --max-model-len: what load_engine takes (launch.eval, launch.distill)."""
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu (hf engine)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--max-model-len", type=int, default=4096, help="vllm: prompt + completion tokens")
+
+
 def load_engine(engine_kind: str, model_dir: Path | None, device: str, dtype: str, max_model_len: int):
     """(engine, tokenizer); the tokenizer comes from the same directory as the weights."""
     import torch
@@ -249,11 +258,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N rows of each file")
     parser.add_argument("--relaxed", action="store_true",
                         help="label-only parsing for models that ignore the format (SciFact: the label the reply starts with)")
-    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
-    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu (hf engine)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                        help="default: bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--max-model-len", type=int, default=4096, help="vllm: prompt + completion tokens")
+    add_engine_arguments(parser)
     return parser.parse_args(argv)
 
 
