@@ -59,27 +59,21 @@ def table(rows: list[tuple[str, dict, str | None, dict | None]]) -> str:
     return "\n".join(lines)
 
 
-def _eval_point(step: int, result: dict) -> dict:
-    point = {"step": step}
-    for key, (mean, low, high) in result["means"].items():
-        point.update({f"eval/{key}": mean, f"eval/{key}_low": low, f"eval/{key}_high": high})
-    return point
-
-
 def curves(arms: list[tuple[str, Path, int, dict, dict]], path: Path) -> None:
     """One figure: held-out reward and label accuracy (with 95% bands) and the training reward over steps.
     arms: (name, run directory, step offset on the shared axis, held-out result at the arm's start, at its end);
     an arm's held-out points are those it logged (trainer.eval_every), plus its start and end results."""
+    from grpo.evaluate import summarize
     from launch.plot import training_curves
     runs = {}
     for name, run_dir, offset, start, end in arms:
         records = [record for _, record in iter_jsonl(run_dir / "metrics.jsonl")]
         evaluated = {record["step"] for record in records if "eval/reward" in record}
         if 0 not in evaluated:  # the arm started from the previous arm's end (or from the base model)
-            records.insert(0, _eval_point(0, start))
+            records.insert(0, {"step": 0, **summarize(start)})
         last = max((record["step"] for record in records), default=0)
         if last not in evaluated:
-            records.append(_eval_point(last, end))
+            records.append({"step": last, **summarize(end)})
         runs[name] = [{**record, "step": record["step"] + offset} for record in records]
     training_curves(runs, path, curves=(("eval/reward", "held-out reward (greedy)"),
                                         ("eval/acc", "held-out label accuracy (greedy)"),
