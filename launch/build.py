@@ -23,6 +23,7 @@ from grpo.evaluate import evaluate, summarize
 from grpo.parts import Policy, RLParts, SFTParts
 from grpo.schedule import lr_factor
 from grpo.scoring import Scorer
+from launch.allocator import keep_freed_memory
 from launch.checkpointing import Checkpointer
 from launch.config import ConfigError, to_dict
 from launch.preflight import Prepared, prepare
@@ -158,6 +159,8 @@ def _assemble(cfg: Config, dist, prepared: Prepared, stop_requested: Callable[[]
     rows, eval_rows, tokenizer, source = prepared.rows, prepared.eval_rows, prepared.tokenizer, prepared.source
     run_dir = Path(cfg.trainer.out_dir) / cfg.trainer.run_name
     torch.manual_seed(cfg.seed)
+    if cfg.trainer.keep_freed_memory and dist.device.type == "cpu":
+        keep_freed_memory()
     load = dict(dtype=getattr(torch, cfg.model.dtype), device=dist.device,
                 attn_implementation=cfg.model.attn_implementation, trust_remote_code=cfg.model.trust_remote_code)
     policy, reference = _policy(cfg, dist, source, prepared.source_key, load)
