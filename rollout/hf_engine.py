@@ -31,8 +31,8 @@ from models.logprobs import logit_transform
 from rollout.engine import (
     Completion, completion_text, is_out_of_memory, raise_out_of_memory, torch_threads, validate_request,
 )
-from rollout.decode_step import decode_step, supports_decode_step
-from rollout.kv_cache import preallocated_cache
+from rollout.decode_step import DecodeWeights, decode_step, linear, pack_decode_weights, supports_decode_step
+from rollout.kv_cache import SharedPrefixCache, prefix_attention_available, preallocated_cache
 from rollout.sampling import sample_next_tokens
 
 
@@ -152,11 +152,21 @@ class HFEngine:
         lengths, stopped = budget.clone(), torch.zeros(batch_size, dtype=torch.bool, device=device)
         active = torch.arange(batch_size, device=device)  # batch row -> completion index
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)
-        cache = preallocated_cache(self.model.config.get_text_config().num_hidden_layers, prompt_len + steps)
+        num_layers = self.model.config.get_text_config().num_hidden_layers
+        # Each prompt's keys and values once for its n rows (rollout.kv_cache.SharedPrefixCache) where the
+        # written-out decode step runs; otherwise copied to the n rows of a preallocated cache.
+        shared_prefix = self._step_by_hand and prefix_attention_available(device)
+        if shared_prefix:
+            cache = SharedPrefixCache(num_layers, steps, n, self._decode_mask(attention_mask[:, :prompt_len]))
+        else:
+            cache = preallocated_cache(num_layers, prompt_len + steps)
+        # The projections reordered for oneDNN once per call (the policy's weights change between calls).
+        weights = pack_decode_weights(self._decoder, self._head, batch_size) if self._step_by_hand else None
         with attention_implementation(self.model, self._attention):
-            logits = self._next_logits(input_ids, attention_mask[:, :prompt_len], position_ids, cache)
+            logits = self._next_logits(input_ids, attention_mask[:, :prompt_len], position_ids, cache, weights)
             prefill_rows = torch.arange(len(prompts), device=device).repeat_interleave(n)  # one row per prompt -> n
-            cache.batch_select_indices(prefill_rows)
+            if not shared_prefix:
+                cache.batch_select_indices(prefill_rows)
             logits, attention_mask = logits[prefill_rows], attention_mask[prefill_rows]
             positions = position_ids[prefill_rows, -1:]
             for step in range(steps):
@@ -178,8 +188,8 @@ class HFEngine:
                     cache.batch_select_indices(keep)
                     active, tokens, positions, attention_mask = active[keep], tokens[keep], positions[keep], attention_mask[keep]
                 positions = positions + 1
-                logits = self._next_logits(tokens[:, None], self._decode_mask(attention_mask[:, : prompt_len + step + 1]),
-                                           positions, cache)
+                mask = None if shared_prefix else self._decode_mask(attention_mask[:, : prompt_len + step + 1])
+                logits = self._next_logits(tokens[:, None], mask, positions, cache, weights)
         completion_lists, logprob_lists = completion.tolist(), logprobs.tolist()
         results = []
         for index, (length, row_stopped) in enumerate(zip(lengths.tolist(), stopped.tolist())):
@@ -189,20 +199,24 @@ class HFEngine:
                 logprobs=logprob_lists[index][:length], finish_reason="stop" if row_stopped else "length"))
         return results
 
-    def _next_logits(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache) -> Tensor:
+    def _next_logits(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache,
+                     weights: DecodeWeights | None) -> Tensor:
         """Run [A, L] new tokens on the cache; return the next-token logits after each row's last one, [A, V].
 
-        A decode step (L = 1) of a supported architecture runs rollout.decode_step; otherwise the decoder's own
-        forward. With a plain linear head the last hidden states are projected in slices of the vocabulary
-        (`_project`); otherwise the model's forward computes the logits of one position."""
+        A decode step (L = 1) of a supported architecture runs rollout.decode_step (on `weights`, the
+        oneDNN-reordered projections, when given); otherwise the decoder's own forward. With a plain linear head
+        the last hidden states are projected by the reordered head, or in slices of the vocabulary (`_project`);
+        otherwise the model's forward computes the logits of one position."""
         if self._head is None:
             return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
         if self._step_by_hand and input_ids.shape[1] == 1:
-            hidden = decode_step(self._decoder, input_ids, attention_mask, position_ids, cache)
+            hidden = decode_step(self._decoder, input_ids, attention_mask, position_ids, cache, weights)
         else:
             hidden = self._decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                    past_key_values=cache, use_cache=True).last_hidden_state[:, -1, :]
+        if weights is not None:
+            return linear(hidden, weights.head, weights.head_bias)
         return _project(hidden, self._head.weight, self._head.bias)
 
     def _decode_mask(self, attention_mask: Tensor) -> Tensor:

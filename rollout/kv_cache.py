@@ -69,3 +69,121 @@ def preallocated_cache(num_layers: int, capacity: int) -> Cache:
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1 token, got {capacity}")
     return Cache(layers=[PreallocatedLayer(capacity) for _ in range(num_layers)])
+
+
+def prefix_attention_available(device: torch.device) -> bool:
+    """Whether SharedPrefixCache can attend on this device: it needs torch's CPU flash-attention kernel, which
+    returns the log-sum-exp that merging two partial attentions takes."""
+    if device.type != "cpu":
+        return False
+    try:
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+class PromptLayer(CacheLayerMixin):
+    """One layer of a SharedPrefixCache: the prompts' keys and values once ([P, heads, Lp, head_dim], set by
+    the prefill through `update`), and each row's completion keys and values ([rows, heads, capacity,
+    head_dim], filled left to right by `SharedPrefixCache.attend`)."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0  # completion columns filled
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.keys, self.values = key_states, value_states
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """The prefill: keep the prompts' keys and values [P, heads, Lp, head_dim]; returns them."""
+        if self.is_initialized:
+            raise ValueError("SharedPrefixCache takes one prefill; decode steps go through attend()")
+        self.lazy_initialization(key_states, value_states)
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return (self.keys.shape[-2] if self.is_initialized else 0) + self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep completion rows `indices`; the prompts' keys and values are every row's and stay."""
+        if self.length:
+            self.completion_keys = self.completion_keys[indices]
+            self.completion_values = self.completion_values[indices]
+
+
+class SharedPrefixCache(Cache):
+    """A KV cache for n completions per prompt that holds each prompt's keys and values once.
+
+    Why: GRPO decodes G rows per prompt, and a decode step reads every cached key and value of every row.
+    With the prompt copied to each of its G rows (PreallocatedLayer), 16 rows of 200-token prompts read
+    16 x (200 + t) keys per layer and step; here 4 x 200 + 16 x t. Each new token attends to its prompt's keys
+    and to its own row's completion keys in two calls of torch's CPU flash-attention kernel, and the two
+    partial results are merged by their log-sum-exp: softmax over the union of the keys, up to float rounding
+    (~1e-7). SmolLM2-135M, 16 rows, 200-token prompts, 2 threads: 270-310 us -> 110-160 us per layer.
+
+    Rows are numbered as the engine lays them out, prompt i's n rows at i*n .. i*n+n-1; `batch_select_indices`
+    drops rows that finished (their completion keys go; the prompt's stay while any row needs them).
+    """
+
+    def __init__(self, num_layers: int, capacity: int, n: int, prompt_mask: torch.Tensor):
+        """capacity: completion tokens per row; prompt_mask: [P, 1, 1, Lp] additive float (0 on real prompt
+        columns, -inf on left padding), the mask of the prefix part."""
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1 token, got {capacity}")
+        super().__init__(layers=[PromptLayer(capacity) for _ in range(num_layers)])
+        self.n = n
+        self.prompt_mask = prompt_mask
+        self.rows = torch.arange(prompt_mask.shape[0] * n, device=prompt_mask.device)  # live row -> layout row
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.rows = self.rows[indices]
+        super().batch_select_indices(indices)
+
+    def attend(self, index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """Append the new token's key/value [A, kv_heads, 1, head_dim] to layer `index` and return the
+        attention output of its query [A, heads, 1, head_dim] as [A, heads * head_dim] (heads in order:
+        query head h reads key/value head h // (heads / kv_heads), as transformers' repeat_kv)."""
+        layer = self.layers[index]
+        rows, kv_heads, head_dim = query.shape[0], key.shape[1], query.shape[-1]
+        group = query.shape[1] // kv_heads
+        if layer.length == 0:
+            layer.completion_keys = key.new_empty(rows, kv_heads, layer.capacity, head_dim)
+            layer.completion_values = value.new_empty(rows, kv_heads, layer.capacity, head_dim)
+        if layer.length >= layer.capacity:
+            raise ValueError(f"KV cache overflow: {layer.length + 1} completion tokens in a cache allocated for "
+                             f"{layer.capacity}")
+        layer.completion_keys[:, :, layer.length] = key[:, :, 0]
+        layer.completion_values[:, :, layer.length] = value[:, :, 0]
+        layer.length += 1
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        # A kv head's query heads act as `group` query positions: [A, kv_heads, group, head_dim].
+        query = query.reshape(rows, kv_heads, group, head_dim)
+        own, own_lse = flash(query, layer.completion_keys[:, :, : layer.length],
+                             layer.completion_values[:, :, : layer.length], scale=scale)
+        # The prefix part: each prompt's n rows (finished rows as zeros) as n * group query positions.
+        prompts, n = self.prompt_mask.shape[0], self.n
+        laid_out = query if rows == prompts * n else query.new_zeros(prompts * n, kv_heads, group, head_dim).index_copy_(
+            0, self.rows, query)
+        laid_out = laid_out.view(prompts, n, kv_heads, group, head_dim).transpose(1, 2).reshape(
+            prompts, kv_heads, n * group, head_dim)
+        prefix, prefix_lse = flash(laid_out, layer.keys, layer.values, attn_mask=self.prompt_mask, scale=scale)
+        prefix = prefix.view(prompts, kv_heads, n, group, head_dim).transpose(1, 2).reshape(prompts * n, kv_heads, group, head_dim)
+        prefix_lse = prefix_lse.view(prompts, kv_heads, n, group).transpose(1, 2).reshape(prompts * n, kv_heads, group)
+        if rows != prompts * n:
+            prefix, prefix_lse = prefix[self.rows], prefix_lse[self.rows]
+        total = torch.logaddexp(prefix_lse, own_lse)
+        output = prefix * (prefix_lse - total).exp_()[..., None] + own * (own_lse - total).exp_()[..., None]
+        return output.reshape(rows, -1).to(query.dtype)  # the log-sum-exps are float32 for bfloat16 too

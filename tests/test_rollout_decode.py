@@ -128,3 +128,55 @@ def test_preallocated_cache_appends_selects_rows_and_refuses_overflow():
     assert cache.get_seq_length() == 4
     with pytest.raises(ValueError, match="KV cache overflow: 5 tokens in a cache allocated for 4"):
         cache.update(step, step, 0)
+
+
+def with_biases(model):
+    """Give every projection a random bias (Qwen2 has q/k/v biases; Llama's attention_bias/mlp_bias)."""
+    generator = torch.Generator().manual_seed(3)
+    for layer in model.get_decoder().layers:
+        for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                       layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            module.bias = torch.nn.Parameter(0.1 * torch.randn(module.out_features, generator=generator))
+    return model
+
+
+@pytest.mark.parametrize("arch, biases", [("llama", False), ("qwen3", False), ("llama", True)])
+def test_reordered_projections_equal_the_modules_within_float_rounding(arch, biases):
+    """decode_step on pack_decode_weights' stacked, oneDNN-reordered projections against decode_step calling
+    the modules, from the same prefilled cache: hidden states and head logits equal to float rounding."""
+    from models.attention import SDPA_NATIVE_GQA, attention_implementation
+    from rollout.decode_step import decode_step, linear, pack_decode_weights
+    from rollout.hf_engine import _project
+
+    model = tiny_model(arch)
+    if biases:
+        with_biases(model)
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    weights = pack_decode_weights(decoder, head, rows=3)
+    assert weights is not None and len(weights.layers) == 2
+    prompt = torch.tensor([PROMPTS[0]] * 3)
+    outputs = []
+    with torch.no_grad(), attention_implementation(model, SDPA_NATIVE_GQA):
+        for packed in (None, weights):
+            cache = preallocated_cache(2, prompt.shape[1] + 1)
+            decoder(input_ids=prompt, position_ids=torch.arange(prompt.shape[1])[None].expand(3, -1),
+                    past_key_values=cache, use_cache=True)
+            hidden = decode_step(decoder, torch.tensor([[5], [77], [4000]]), torch.zeros(3, 1, 1, prompt.shape[1] + 1),
+                                 torch.full((3, 1), prompt.shape[1]), cache, packed)
+            logits = _project(hidden, head.weight, head.bias) if packed is None else linear(hidden, packed.head, None)
+            outputs.append((hidden, logits))
+    (hidden, logits), (packed_hidden, packed_logits) = outputs
+    assert hidden.abs().max() > 0.1  # a real signal, not zeros
+    torch.testing.assert_close(packed_hidden, hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed_logits, logits, atol=1e-5, rtol=1e-5)
+
+
+def test_lora_wrapped_projections_are_not_reordered():
+    """A LoRA-wrapped projection computes more than its base weight: the engine keeps calling the modules."""
+    from models.lora import apply_lora
+    from rollout.decode_step import pack_decode_weights
+
+    model = tiny_model("llama")
+    assert pack_decode_weights(model.get_decoder(), model.get_output_embeddings(), rows=2) is not None
+    apply_lora(model, rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"], seed=0)
+    assert pack_decode_weights(model.get_decoder(), model.get_output_embeddings(), rows=2) is None
