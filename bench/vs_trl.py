@@ -56,13 +56,23 @@ from pathlib import Path
 from bench.report import write_results
 
 
+# --allocator: which side's process keeps freed memory (launch/allocator.py). "shipped": each side as it
+# ships (ours does, through trainer.keep_freed_memory; TRL does not); "cached": both (TRL's process gets the
+# same two glibc settings as environment variables); "system": neither (glibc's defaults on both sides).
+ALLOCATORS = ("shipped", "cached", "system")
+
+
 def fairness_settings(*, prompts: int, group: int, new_tokens: int, lr: float, steps: int, seed: int,
-                      threads: int) -> dict:
+                      threads: int, allocator: str = "shipped") -> dict:
     """What each side is configured with: `ours` is a list of trainer config overrides (model, rows file and
-    run directory are added by the child), `trl` the GRPOConfig keyword arguments (output_dir added)."""
+    run directory are added by the child), `trl` the GRPOConfig keyword arguments (output_dir added),
+    `trl_environment` what TRL's process gets beside the environment it inherits."""
     if prompts < 1 or group < 2 or new_tokens < 1 or steps < 1:
         raise ValueError(f"need prompts >= 1, group >= 2, new_tokens >= 1, steps >= 1; got {prompts}, {group}, "
                          f"{new_tokens}, {steps}")
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"allocator must be one of {ALLOCATORS}, got {allocator!r}")
+    from launch.allocator import ENVIRONMENT
     batch = prompts * group
     ours = [f"rollout.n={group}", f"rollout.max_new_tokens={new_tokens}", "rollout.temperature=1.0",
             "rollout.top_p=1.0", "rollout.top_k=0", f"trainer.prompts_per_step={prompts}",
@@ -70,7 +80,8 @@ def fairness_settings(*, prompts: int, group: int, new_tokens: int, lr: float, s
             "optim.betas=[0.9, 0.999]", "optim.schedule=constant", "optim.warmup_steps=0", "optim.grad_clip=1.0",
             "algorithm.adv_scale=group", "algorithm.clip_low=0.2", "algorithm.clip_high=0.2",
             "algorithm.agg=token-mean", "algorithm.kl_coef=0.0", "algorithm.ppo_epochs=1", "data.shuffle=false",
-            "model.dtype=float32", "model.attn_implementation=sdpa", f"seed={seed}", "trainer.eval_before=false"]
+            "model.dtype=float32", "model.attn_implementation=sdpa", f"seed={seed}", "trainer.eval_before=false",
+            f"trainer.keep_freed_memory={allocator != 'system'}"]
     trl = dict(per_device_train_batch_size=batch, gradient_accumulation_steps=1, num_generations=group,
                max_completion_length=new_tokens, generation_kwargs={"min_new_tokens": new_tokens},
                temperature=1.0, top_p=1.0, top_k=0, learning_rate=lr, weight_decay=0.0, adam_beta1=0.9,
@@ -87,8 +98,12 @@ def fairness_settings(*, prompts: int, group: int, new_tokens: int, lr: float, s
         "TRL optim=adamw_torch_fused (the fused AdamW ours uses; transformers' default for torch >= 2.8); "
         "lr_scheduler_type=constant",
         f"ours trainer.micro_batch_size={batch} (= TRL per_device_train_batch_size: one backward per step)",
-        f"torch threads {threads} on both sides"]
-    return {"ours": ours, "trl": trl, "differences": differences, "threads": threads,
+        f"torch threads {threads} on both sides",
+        {"shipped": "allocator as shipped: ours keeps freed memory (trainer.keep_freed_memory), TRL glibc's default",
+         "cached": "both keep freed memory (TRL's process: " + " ".join(f"{k}={v}" for k, v in ENVIRONMENT.items()) + ")",
+         "system": "glibc's default allocator on both sides (ours trainer.keep_freed_memory=false)"}[allocator]]
+    return {"ours": ours, "trl": trl, "differences": differences, "threads": threads, "allocator": allocator,
+            "trl_environment": dict(ENVIRONMENT) if allocator == "cached" else {},
             "shape": {"prompts": prompts, "group": group, "new_tokens": new_tokens, "steps": steps, "lr": lr}}
 
 
@@ -191,7 +206,8 @@ def _run_child(python: str, side: str, settings: dict, model_dir: str, rows_file
     out_dir = tempfile.mkdtemp(prefix=f"{side}-", dir=work)
     command = [python, "-m", "bench.vs_trl", "--child", side, str(settings_file), model_dir, rows_file, out_dir]
     root = Path(__file__).resolve().parents[1]
-    environment = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    environment = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                   **(settings["trl_environment"] if side == "trl" else {})}
     finished = subprocess.run(command, capture_output=True, text=True, cwd=root, env=environment)
     lines = [line for line in finished.stdout.splitlines() if line.startswith("{\"step_seconds\"")]
     if finished.returncode != 0 or not lines:
@@ -244,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads on both sides")
+    parser.add_argument("--allocator", choices=ALLOCATORS, default="shipped",
+                        help="shipped: ours keeps freed memory, TRL glibc's default; cached: both keep it; "
+                             "system: neither (launch/allocator.py)")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny random model, 1 round, 8 tokens")
     parser.add_argument("--print-settings", action="store_true")
     parser.add_argument("--out", help="write the JSON here")
@@ -260,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.steps, args.new_tokens = 1, 1, 8
     settings = fairness_settings(prompts=args.prompts, group=args.group, new_tokens=args.new_tokens, lr=args.lr,
-                                 steps=args.steps + 1, seed=args.seed, threads=args.threads)
+                                 steps=args.steps + 1, seed=args.seed, threads=args.threads,
+                                 allocator=args.allocator)
     if args.print_settings:
         print(json.dumps(settings, indent=1))
         return 0

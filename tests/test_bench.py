@@ -114,6 +114,24 @@ def test_vs_trl_settings_match_on_both_sides(tmp_path):
         fairness_settings(prompts=2, group=1, new_tokens=32, lr=1e-6, steps=3, seed=0, threads=2)
 
 
+@pytest.mark.parametrize("allocator, ours_keeps, trl_keeps", [("shipped", True, False), ("cached", True, True),
+                                                              ("system", False, False)])
+def test_vs_trl_allocator_settings(tmp_path, allocator, ours_keeps, trl_keeps):
+    """--allocator decides which side keeps freed memory: ours through its config, TRL through glibc's
+    environment variables (the same two settings launch/allocator.py makes with mallopt)."""
+    from bench.vs_trl import fairness_settings
+    from launch.config import load_config
+
+    settings = fairness_settings(prompts=2, group=4, new_tokens=32, lr=1e-6, steps=3, seed=0, threads=2,
+                                 allocator=allocator)
+    cfg = load_config(None, settings["ours"] + [f"data.train_files=['{tmp_path / 'rows.jsonl'}']"])
+    assert cfg.trainer.keep_freed_memory is ours_keeps
+    assert settings["trl_environment"] == ({"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
+                                           if trl_keeps else {})
+    with pytest.raises(ValueError, match="allocator must be one of"):
+        fairness_settings(prompts=2, group=4, new_tokens=32, lr=1e-6, steps=3, seed=0, threads=2, allocator="jemalloc")
+
+
 def test_vs_trl_compare_drops_warmup_and_pairs_steps():
     from bench.vs_trl import compare
 
