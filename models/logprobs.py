@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from models.attention import SDPA_NATIVE_GQA, attention_implementation
 from models.chunked_softmax import LogprobsFromHidden, LogprobsFromLogits
 from models.packing import PACKABLE_IMPLEMENTATIONS, flash_attn_available, install_packed_dispatch, pack_batch, varlen_layout
 
@@ -186,14 +187,23 @@ def _completion_hidden(model, batch: dict, original: dict, *, share_prompts: boo
         shared = share_prompts and len(unique_rows) < batch_size
         if packed:
             return _packed_hidden(model, original, prompt_index if shared else None, captured)
-        # Gradient checkpointing drops the KV cache inside transformers' checkpointed layers, so it takes the
-        # plain pass.
-        if shared and completion_len > 0 and not getattr(model, "is_gradient_checkpointing", False):
-            hidden = _shared_prompt_hidden(model, batch, prompt_len, unique_rows, prompt_index, captured)
-        else:
-            # logits_to_keep=1: the model's own lm_head then runs on one position only ([B, 1, V], unused).
-            model(**batch, use_cache=False, logits_to_keep=1)
-            hidden = captured["hidden"][:, prompt_len - 1 : prompt_len - 1 + completion_len]
+        # On CPU, transformers' sdpa copies every key/value head num_key_value_groups times whenever a mask is
+        # passed (and its backward sums the copies back); torch's kernel takes grouped-query attention natively
+        # (models.attention). SmolLM2-135M, 4 prompts x G=4 x 64 tokens, forward+backward: 5.99 s -> 5.71 s,
+        # the same logprobs. The graph records the function, so the backward needs no switch; gradient
+        # checkpointing's recomputation would run outside the switch, so it keeps the model's own function.
+        checkpointing = getattr(model, "is_gradient_checkpointing", False)
+        native = (getattr(model.config, "_attn_implementation", None) == "sdpa" and input_ids.device.type == "cpu"
+                  and not checkpointing)
+        with attention_implementation(model, SDPA_NATIVE_GQA if native else None):
+            # Gradient checkpointing drops the KV cache inside transformers' checkpointed layers, so it takes
+            # the plain pass.
+            if shared and completion_len > 0 and not checkpointing:
+                hidden = _shared_prompt_hidden(model, batch, prompt_len, unique_rows, prompt_index, captured)
+            else:
+                # logits_to_keep=1: the model's own lm_head then runs on one position only ([B, 1, V], unused).
+                model(**batch, use_cache=False, logits_to_keep=1)
+                hidden = captured["hidden"][:, prompt_len - 1 : prompt_len - 1 + completion_len]
         # hidden[:, t] (column Lp-1+t) predicts completion token t; only real completion tokens are projected.
         selected = completion_mask.to(hidden.device) > 0
         return hidden[selected], input_ids[:, prompt_len:].to(hidden.device)[selected]
