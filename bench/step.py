@@ -5,6 +5,7 @@ and peak memory of each phase, by running the real trainer (launch.build + grpo.
     python -m bench.step --sync copy                      # the engine owns a copy: weight sync is timed too
     python -m bench.step --out bench/results/step.json algorithm.kl_coef=0.01   # any config override
     python -m bench.step --quick                          # smoke run: tiny random model, 2 steps of 8 tokens
+    python -m bench.step --lengths uneven --new-tokens 256  # padded vs packed update, completions of 8..256 tokens
 
 It also prints the model FLOPs of each phase (prefill, decode, logprob passes, update; bench/flops.py has the
 formula and its derivation), the machine's peak measured in the same run (a 2048^3 fp32 matmul at the same
@@ -26,6 +27,12 @@ permitted the numbers are the process-wide peak so far, and the JSON says so (pe
 reward phase's memory window runs from the end of generation to the first forward, so it also covers the
 advantage arithmetic and batch padding.
 On CUDA the per-phase torch.cuda.max_memory_allocated is reported as well.
+
+`--lengths uneven`: DAPO's batches mix short and long completions, which is where padding costs most. The engine
+generates --new-tokens for every row (no EOS) and each completion is then cut to a length drawn uniformly from
+--min-len..--new-tokens (the same lengths in every run: the draws are seeded); the trainer runs once with its
+padded update (model.packed_logprobs=false) and once packed (=true), alternating for --rounds rounds, each a
+fresh build, and the update's seconds are compared step by step (steps after the first).
 """
 from __future__ import annotations
 
@@ -218,13 +225,38 @@ def trainer_overrides(model: str | None, rows_file: Path, out_dir: Path, *, prom
             f"seed={seed}", f"trainer.out_dir={out_dir}", "trainer.run_name=bench", "trainer.eval_before=false"]
 
 
-def run_steps(overrides: list[str], *, sync: str = "shared", no_eos: bool = False, on_build=None) -> dict:
+def cut_completions(engine, min_len: int, seed: int) -> None:
+    """Make `engine.generate` cut each completion to a length drawn uniformly from min_len..its length (one
+    seeded draw per completion, in order), as if it had stopped there."""
+    import random
+
+    from rollout.engine import completion_text
+    original, draws = engine.generate, random.Random(seed)
+
+    def generate(prompts, **kwargs):
+        completions = []
+        for completion in original(prompts, **kwargs):
+            length = draws.randint(min(min_len, len(completion.completion_ids)), len(completion.completion_ids))
+            ids = completion.completion_ids[:length]
+            completions.append(dataclasses.replace(
+                completion, completion_ids=ids, text=completion_text(engine.tokenizer, ids),
+                logprobs=completion.logprobs[:length],
+                finish_reason="stop" if length < len(completion.completion_ids) else completion.finish_reason))
+        return completions
+
+    engine.generate = generate
+
+
+def run_steps(overrides: list[str], *, sync: str = "shared", no_eos: bool = False, on_build=None,
+              cut_to: int | None = None) -> dict:
     """Build the trainer from `overrides`, run train_rl instrumented, return per-step reports.
 
     sync:   "shared" (what one process does: the engine generates with the policy, nothing to sync) or
             "copy" (the engine owns a copy refreshed by rollout.sync.sync_weights, as under torchrun).
     no_eos: the engine never stops early, so every completion has exactly max_new_tokens tokens.
     on_build(parts): called after build, before training (e.g. to reset a peak-memory mark).
+    cut_to: with no_eos, cut each completion to a seeded uniform length in cut_to..max_new_tokens
+            (`cut_completions`, seeded by cfg.seed).
     """
     import torch
 
@@ -261,6 +293,8 @@ def run_steps(overrides: list[str], *, sync: str = "shared", no_eos: bool = Fals
             else:
                 engine = HFEngine(model, tokenizer, shared=True, eos_token_ids=eos)
             parts = dataclasses.replace(parts, engine=engine)
+        if cut_to is not None:
+            cut_completions(parts.engine, cut_to, cfg.seed)
         memory = PhaseMemory(cuda=dist.device.type == "cuda")
         generated: list[dict] = []
         parts, hooks = _instrument(parts, memory, generated)
@@ -369,6 +403,38 @@ def print_table(summary: dict, result: dict) -> None:
         print(f"note: {note}")
 
 
+def packed_against_padded(overrides: list[str], args) -> int:
+    """--lengths uneven: the trainer with its padded update and with the packed one, alternating, on the same
+    cut lengths; prints the update's seconds of each and their ratio, step by step."""
+    runs: dict[str, list[dict]] = {"padded": [], "packed": []}
+    for round_number in range(args.rounds):
+        order = ("padded", "packed") if round_number % 2 == 0 else ("packed", "padded")
+        for mode in order:
+            runs[mode].append(run_steps(overrides + [f"model.packed_logprobs={mode == 'packed'}"], sync=args.sync,
+                                        no_eos=True, cut_to=args.min_len))
+    measured = lambda mode: [step for run in runs[mode] for step in run["steps"][1:] or run["steps"]]  # noqa: E731
+    update = {mode: [step["phases"]["update"]["seconds"] for step in measured(mode)] for mode in runs}
+    lengths = sorted({n for step in measured("padded") for call in step["calls"] for n in call["completion_lengths"]})
+    ratios = [packed / padded for packed, padded in zip(update["packed"], update["padded"])]
+    tokens = [step["trained_tokens"] for step in measured("padded")]
+    summary = {"update_seconds": {mode: statistics.median(values) for mode, values in update.items()},
+               "ratio_packed_over_padded": {"median": statistics.median(ratios), "min": min(ratios),
+                                            "max": max(ratios), "pairs": len(ratios)},
+               "completion_lengths": [lengths[0], lengths[-1]], "trained_tokens_per_step": tokens}
+    print(f"update on completions of {lengths[0]}..{lengths[-1]} tokens ({args.prompts} prompts x G={args.group}, "
+          f"{args.rounds} round(s), steps after the first): padded {summary['update_seconds']['padded']:.3f} s, "
+          f"packed {summary['update_seconds']['packed']:.3f} s (medians); packed/padded per step: median "
+          f"{summary['ratio_packed_over_padded']['median']:.3f}, min {min(ratios):.3f}, max {max(ratios):.3f} "
+          f"over {len(ratios)} pairs")
+    if args.out:
+        write_results(args.out, {"runs": runs, "summary": summary,
+                                 "settings": {"prompts": args.prompts, "group": args.group, "min_len": args.min_len,
+                                              "new_tokens": args.new_tokens, "steps": args.steps,
+                                              "rounds": args.rounds, "overrides": args.overrides,
+                                              "load_average": os.getloadavg()}})
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default", help="model directory, or 'default' (embedded SmolLM2-135M)")
@@ -382,12 +448,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="shared: one-process trainer (engine = policy); copy: engine owns a synced copy")
     parser.add_argument("--no-eos", action="store_true", help="every completion runs to --new-tokens")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--lengths", choices=("model", "uneven"), default="model",
+                        help="model: completions as the engine ends them; uneven: cut to --min-len..--new-tokens, "
+                             "and the padded update against the packed one")
+    parser.add_argument("--min-len", type=int, default=8, help="--lengths uneven: the shortest completion")
+    parser.add_argument("--rounds", type=int, default=1, help="--lengths uneven: padded/packed run pairs")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny random model, 2 steps, 8 tokens")
     parser.add_argument("--out", help="write the JSON here")
     parser.add_argument("overrides", nargs="*", help="extra trainer config overrides, key.sub=value")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.new_tokens = min(args.steps, 2), min(args.new_tokens, 8)
+        args.steps = min(args.steps, 2)
+        args.new_tokens = min(args.new_tokens, 32 if args.lengths == "uneven" else 8)
+    if args.lengths == "uneven" and not 1 <= args.min_len <= args.new_tokens:
+        parser.error(f"--min-len must be in 1..--new-tokens ({args.new_tokens}), got {args.min_len}")
 
     import torch
 
@@ -404,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
         write_rows(generate_rows(max(args.prompts * args.steps, 8), seed=args.seed), rows_file)
         overrides = trainer_overrides(model, rows_file, work_dir / "runs", prompts=args.prompts, group=args.group,
                                       new_tokens=args.new_tokens, steps=args.steps, lr=args.lr, seed=args.seed)
+        if args.lengths == "uneven":
+            return packed_against_padded(overrides + list(args.overrides), args)
         peaks = [measure_peak_flops()]  # the machine's peak, before and after the steps (the better counts)
         result = run_steps(overrides + list(args.overrides), sync=args.sync, no_eos=args.no_eos)
         peaks.append(measure_peak_flops())

@@ -61,6 +61,24 @@ def test_step_default_path_skips_logprob_and_sync(tmp_path):
     assert any(note.startswith("logprob: no pass runs") for note in result["notes"])
 
 
+def test_step_uneven_lengths_runs_padded_and_packed_on_the_same_batches(tmp_path):
+    """--lengths uneven: completions cut to seeded lengths in --min-len..--new-tokens, the same in the padded and
+    the packed run, and every step of both trains exactly those tokens."""
+    from bench.step import main
+
+    out = tmp_path / "uneven.json"
+    assert main(["--quick", "--lengths", "uneven", "--min-len", "4", "--new-tokens", "24", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    padded, packed = result["runs"]["padded"][0]["steps"], result["runs"]["packed"][0]["steps"]
+    lengths = [call["completion_lengths"] for step in padded for call in step["calls"]]
+    assert lengths == [call["completion_lengths"] for step in packed for call in step["calls"]]
+    flat = [n for row in lengths for n in row]
+    assert min(flat) >= 4 and max(flat) <= 24 and len(set(flat)) > 3  # uneven, within the bounds
+    assert [s["trained_tokens"] for s in padded] == [s["trained_tokens"] for s in packed] == [sum(r) for r in lengths]
+    assert result["summary"]["ratio_packed_over_padded"]["pairs"] == 1
+    assert result["summary"]["update_seconds"]["packed"] > 0
+
+
 def test_rewards_quick(tmp_path):
     import rewards
     from bench.rewards import evidence_cases, main
