@@ -167,8 +167,10 @@ def decode_step(decoder: torch.nn.Module, input_ids: Tensor, attention_mask: Ten
         query, key, value = query.reshape(shape), key.reshape(shape), value.reshape(shape)
         if hasattr(attention, "q_norm"):  # Qwen3 normalises each head before the rotation
             query, key = attention.q_norm(query), attention.k_norm(key)
-        query = _rotate(query.transpose(1, 2), cos, sin)
-        key = _rotate(key.transpose(1, 2), cos, sin)
+            query, key = _rotate(query.transpose(1, 2), cos, sin), _rotate(key.transpose(1, 2), cos, sin)
+        else:  # one rotation of the query and key heads together
+            query, key = _rotate(torch.cat([query, key], dim=2).transpose(1, 2), cos, sin).split(
+                [query.shape[2], key.shape[2]], dim=1)
         if isinstance(cache, SharedPrefixCache):
             output = cache.attend(index, query, key, value.transpose(1, 2), attention.scaling)
         else:

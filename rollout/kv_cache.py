@@ -184,6 +184,6 @@ class SharedPrefixCache(Cache):
         prefix_lse = prefix_lse.view(prompts, kv_heads, n, group).transpose(1, 2).reshape(prompts * n, kv_heads, group)
         if rows != prompts * n:
             prefix, prefix_lse = prefix[self.rows], prefix_lse[self.rows]
-        total = torch.logaddexp(prefix_lse, own_lse)
-        output = prefix * (prefix_lse - total).exp_()[..., None] + own * (own_lse - total).exp_()[..., None]
-        return output.reshape(rows, -1).to(query.dtype)  # the log-sum-exps are float32 for bfloat16 too
+        # The prefix part's share of the softmax mass: exp(prefix_lse) / (exp(prefix_lse) + exp(own_lse)).
+        share = torch.sigmoid(prefix_lse - own_lse)[..., None].to(query.dtype)
+        return torch.lerp(own, prefix, share).reshape(rows, -1)

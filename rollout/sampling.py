@@ -49,7 +49,7 @@ def sample_next_tokens(
         tokens = logits.argmax(dim=-1)
         logprobs = logits.log_softmax(dim=-1).gather(-1, tokens[:, None])[:, 0]
         return tokens, logprobs
-    processed = truncate_logits(logits / temperature, top_p, top_k)
+    processed = truncate_logits(logits / temperature if temperature != 1.0 else logits, top_p, top_k)
     processed_logprobs = processed.log_softmax(dim=-1)
     tokens = draw_from_probabilities(processed_logprobs.exp(), generator)
     return tokens, processed_logprobs.gather(-1, tokens[:, None])[:, 0]
