@@ -21,7 +21,7 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
 
 # The same two settings as environment variables, for a process that cannot call keep_freed_memory itself
-# (bench.vs_trl --same-allocator gives them to TRL's process).
+# (bench.vs_trl --allocator cached gives them to TRL's process).
 ENVIRONMENT = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
 
 _applied = False
