@@ -209,4 +209,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from launch.dist import exit_rank
+    exit_rank(main())

@@ -108,4 +108,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from launch.dist import exit_rank
+    exit_rank(main(sys.argv[1:]))

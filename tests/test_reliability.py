@@ -137,6 +137,23 @@ def test_stop_signal_finishes_the_step_checkpoints_and_resumes_exactly(tmp_path,
     assert _stable(_metrics(run_dir)) == _stable(reference_runs[ranks])
 
 
+@pytest.mark.parametrize("world_size", ["1", "2"])
+def test_a_rank_exits_with_its_code_and_its_output_but_without_the_interpreter_teardown(world_size):
+    """launch.dist.exit_rank: a torchrun rank's block-buffered stdout still arrives, the exit code is kept, and
+    the interpreter's teardown (an atexit hook stands for it) is skipped; one process exits as usual."""
+    script = ("import atexit, sys\n"
+              "from launch.dist import exit_rank\n"
+              "atexit.register(lambda: print('teardown ran', file=sys.stderr))\n"
+              "sys.stdout.write('buffered output')\n"
+              "exit_rank(3)\n")
+    env = {k: v for k, v in _env(WORLD_SIZE=world_size).items() if k != "PYTHONUNBUFFERED"}  # a pipe buffers
+    finished = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=60)
+    assert finished.returncode == 3, finished.stderr
+    assert finished.stdout == "buffered output"
+    assert ("teardown ran" in finished.stderr) == (world_size == "1"), finished.stderr
+
+
 def _rank_pid(torchrun_pid: int, rank: int) -> int:
     """The pid of torchrun's worker process with RANK=rank (its children carry their rank in the environment)."""
     for entry in Path("/proc").iterdir():
