@@ -81,7 +81,8 @@ class LayerWeights:
 @dataclass(frozen=True)
 class DecodeWeights:
     """Every layer's projections and the output head (head: reordered [V, H]), for `decode_step` and the
-    engine's head projection (`linear`). Valid for the weights they were made from: the engine makes them anew in every `generate`."""
+    engine's head projection (`linear`). Valid for the weights they were made from: the engine makes them
+    anew in every `generate`."""
     layers: tuple[LayerWeights, ...]
     head: Tensor
     head_bias: Tensor | None
