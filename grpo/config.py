@@ -172,7 +172,8 @@ class RolloutConfig:
     """Sampling temperature; the trainer's logprobs use the same temperature."""
     top_p: float = bounded(1.0, 0, 1, low_open=True)
     """Nucleus sampling. The trainer does not truncate: with top_p < 1 the engine's logprobs are of the
-    renormalised nucleus, so algorithm.tis_cap with top_p < 1 (or top_k > 0) is refused at start-up."""
+    renormalised nucleus, so algorithm.tis_cap with top_p < 1 (or top_k > 0) is refused at start-up, and
+    without it start-up warns that the update is off-policy by the truncation."""
     top_k: int = bounded(0, 0)
     """Top-k sampling; 0 is off."""
     stop: list[str] = field(default_factory=list)
@@ -220,12 +221,13 @@ class AlgorithmConfig:
     logprobs are the current ones detached; otherwise one extra pass computes them once, before the first
     update."""
     ppo_mini_batch_size: int | None = bounded(None, 1)
-    """Prompts per optimizer step, per rank like trainer.prompts_per_step (verl's ppo_mini_batch_size counts
-    prompts over all ranks: this times the world size); each mini-batch is one optimizer step, each epoch
-    visits them in order. null: the whole batch. Must divide trainer.prompts_per_step."""
+    """Prompts per optimizer step over ALL ranks, as in verl (trainer.prompts_per_step is per rank): each rank's
+    share is this / world size, which must divide trainer.prompts_per_step. Each mini-batch is one optimizer
+    step, each epoch visits them in order. null: the whole batch (one step per epoch)."""
     ratio_level: str = choice("token", RATIO_LEVELS)
-    """token (PPO/GRPO/DAPO) or sequence (GSPO: one ratio per sequence, exp of the mean token log-ratio; use
-    GSPO's small clip ranges, e.g. clip_low 3e-4, clip_high 4e-4, and agg seq-mean-token-mean)."""
+    """token (PPO/GRPO/DAPO) or sequence (GSPO: one ratio per sequence, exp of the mean token log-ratio; needs
+    GSPO's small clip ranges, e.g. clip_low 3e-4, clip_high 4e-4, and agg seq-mean-token-mean, its mean over
+    sequences: start-up refuses any other agg)."""
     entropy_coef: float = bounded(0.0, 0)
     """Entropy bonus: the loss subtracts entropy_coef * the aggregated token entropy (same agg and global
     denominator as the policy loss); 0 is off."""

@@ -88,3 +88,6 @@ class RLParts:
     # Held-out scores after step s ({"eval/<metric>": mean, ...}, grpo.evaluate.summarize) for trainer.eval_every;
     # None when the run has no held-out rows.
     evaluate: Callable[[int], dict] | None = None
+    # The ids the engines can sample (models.logprobs.sampleable_vocab_size): the trainer's logprobs normalise
+    # over these only. None: every row of the output projection.
+    vocab_size: int | None = None

@@ -34,7 +34,7 @@ from grpo.plan import mini_batch_denominators, mini_batches, micro_batches
 from grpo.shaping import kl_reward_penalty, overlong_penalty
 from grpo.update import optimizer_step
 from models.batching import pad_batch
-from models.logprobs import completion_logprobs
+from models.logprobs import completion_logprobs, dropout_active, evaluating
 
 
 @contextmanager
@@ -108,10 +108,17 @@ def train_rl(cfg: Config, dist: Collectives, parts: RLParts) -> dict:
     log, group_size, max_len = parts.log, roll.n, roll.max_new_tokens
     sampling = dict(max_new_tokens=max_len, temperature=roll.temperature, top_p=roll.top_p, top_k=roll.top_k,
                     stop=roll.stop)
-    # The trainer's logprobs use the sampling temperature: the ratio compares like with like.
+    # The trainer's logprobs use the sampling temperature: the ratio compares like with like,
+    # and normalise over the ids the engines can sample (a padded vocabulary's extra rows never are).
     logprobs_of = functools.partial(completion_logprobs, temperature=roll.temperature,
-                                    chunk_size=cfg.model.logprob_chunk_size, packed=cfg.model.packed_logprobs)
-    one_update = algo.ppo_epochs == 1 and algo.ppo_mini_batch_size in (None, tcfg.prompts_per_step)
+                                    chunk_size=cfg.model.logprob_chunk_size, packed=cfg.model.packed_logprobs,
+                                    vocab_size=parts.vocab_size)
+    prompts_per_mini_batch = (algo.ppo_mini_batch_size // dist.world_size if algo.ppo_mini_batch_size is not None
+                              else None)  # verl's meaning: prompts over all ranks
+    # With one optimizer step per rollout the old logprobs are the current ones detached, unless dropout would
+    # make the update's pass differ from the eval-mode pass the engines sample like.
+    one_update = (algo.ppo_epochs == 1 and prompts_per_mini_batch in (None, tcfg.prompts_per_step)
+                  and not dropout_active(model))
     agree_max = lambda counts: dist.all_reduce_max(counts.to(dist.device)).cpu()  # noqa: E731
     watch = NoSignalWatch(tcfg, algo.kl_coef)
     eval_every = tcfg.eval_every if parts.evaluate else 0
@@ -134,7 +141,7 @@ def train_rl(cfg: Config, dist: Collectives, parts: RLParts) -> dict:
         # 2. The plan: mini-batches of whole groups (one optimizer step each) made of micro-batches (one
         # forward/backward each; every rank runs as many, since FSDP's collectives pair up across ranks), and
         # each mini-batch's loss denominator summed over its micro-batches and the ranks (one all-reduce).
-        minis = mini_batches(tcfg.prompts_per_step, group_size, algo.ppo_mini_batch_size)
+        minis = mini_batches(tcfg.prompts_per_step, group_size, prompts_per_mini_batch)
         plan = micro_batches(minis, [len(c.prompt_ids) + len(c.completion_ids) for c in completions],
                              rows_per_micro_batch=tcfg.micro_batch_size,
                              max_tokens=tcfg.max_tokens_per_micro_batch, agree_max=agree_max)
@@ -143,9 +150,10 @@ def train_rl(cfg: Config, dist: Collectives, parts: RLParts) -> dict:
                                     parts.pad_id)) for piece in mini] for mini in plan]
         denominators = dist.all_reduce_sum(mini_batch_denominators(mask, minis, algo.agg).to(dist.device))
 
-        # 3. Old and reference logprobs, once per rollout, before any update. No old pass when a single
-        # optimizer step follows (old = current, detached), unless the KL in the reward needs them now.
-        with timed(times, "logprob"), torch.no_grad():
+        # 3. Old and reference logprobs, once per rollout, before any update, in eval mode (no dropout: the
+        # engines sampled without it). No old pass when a single optimizer step follows (old = current,
+        # detached), unless the KL in the reward needs them now.
+        with timed(times, "logprob"), torch.no_grad(), evaluating(model):
             old_logprobs = None
             if not one_update or algo.kl_in_reward:
                 old_logprobs = all_rows(lambda b: logprobs_of(model, b)[0], micro, mask.shape)

@@ -78,12 +78,14 @@ class Reference:
     adapters_off: bool
     temperature: float
     chunk_size: int
+    vocab_size: int  # the ids the engines can sample, as the policy's logprobs (models.logprobs.sampleable_vocab_size)
 
     def __call__(self, batch: dict) -> torch.Tensor:
-        from models.logprobs import completion_logprobs
+        from models.logprobs import completion_logprobs, evaluating
         from models.lora import disabled_adapters
-        with disabled_adapters(self.model) if self.adapters_off else contextlib.nullcontext():
-            return completion_logprobs(self.model, batch, temperature=self.temperature, chunk_size=self.chunk_size)[0]
+        with disabled_adapters(self.model) if self.adapters_off else contextlib.nullcontext(), evaluating(self.model):
+            return completion_logprobs(self.model, batch, temperature=self.temperature, chunk_size=self.chunk_size,
+                                       vocab_size=self.vocab_size)[0]
 
 
 def _load(cfg: Config, dist, source: str | None, key: str, load: dict, *, gradient_checkpointing: bool = False,
@@ -109,9 +111,11 @@ def _load(cfg: Config, dist, source: str | None, key: str, load: dict, *, gradie
         raise ConfigError(f"{key}: {error}") from None
 
 
-def _policy(cfg: Config, dist, source: str | None, key: str, load: dict):
-    """(Policy, reference-logprob function or None): the model (LoRA adapters applied, sharded under torchrun),
-    fused AdamW over its trainable weights, the warmup/decay schedule, and the frozen KL reference."""
+def _policy(cfg: Config, dist, source: str | None, key: str, load: dict, tokenizer):
+    """(Policy, reference-logprob function or None, the sampleable vocabulary size): the model (LoRA adapters
+    applied, sharded under torchrun), fused AdamW over its trainable weights, the warmup/decay schedule, and the
+    frozen KL reference."""
+    from models.logprobs import sampleable_vocab_size
     lora, prepare = cfg.model.lora, None
     if lora.enabled:
         from models.lora import apply_lora
@@ -125,12 +129,13 @@ def _policy(cfg: Config, dist, source: str | None, key: str, load: dict):
     model = _load(cfg, dist, source, key, load, gradient_checkpointing=cfg.model.gradient_checkpointing,
                   prepare=prepare)
     model.train()  # gradient checkpointing and dropout only act in train mode; engines restore it after generate
+    vocab_size = sampleable_vocab_size(model, tokenizer)
     reference = None
     if cfg.stage == "rl" and cfg.algorithm.kl_coef > 0:
         # LoRA: the policy with its adapters off (no second model); else the frozen starting model.
         reference_model = model if lora.enabled else _load(cfg, dist, source, key, load).eval().requires_grad_(False)
         reference = Reference(reference_model, adapters_off=lora.enabled, temperature=cfg.rollout.temperature,
-                              chunk_size=cfg.model.logprob_chunk_size)
+                              chunk_size=cfg.model.logprob_chunk_size, vocab_size=vocab_size)
     # fused: one kernel over all parameters (CPU and CUDA, DTensor shards too); measured 4x faster than the
     # per-parameter loop on CPU (bench/README.md).
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr,
@@ -138,7 +143,7 @@ def _policy(cfg: Config, dist, source: str | None, key: str, load: dict):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
         step, warmup_steps=cfg.optim.warmup_steps, total_steps=cfg.trainer.steps, schedule=cfg.optim.schedule,
         min_ratio=cfg.optim.min_lr_ratio))
-    return Policy(model, optimizer, scheduler), reference
+    return Policy(model, optimizer, scheduler), reference, vocab_size
 
 
 def build(cfg: Config, dist, *, resume: bool = False, stop_requested: Callable[[], bool] = lambda: False) -> Run:
@@ -163,7 +168,7 @@ def _assemble(cfg: Config, dist, prepared: Prepared, stop_requested: Callable[[]
         keep_freed_memory()
     load = dict(dtype=getattr(torch, cfg.model.dtype), device=dist.device,
                 attn_implementation=cfg.model.attn_implementation, trust_remote_code=cfg.model.trust_remote_code)
-    policy, reference = _policy(cfg, dist, source, prepared.source_key, load)
+    policy, reference, vocab_size = _policy(cfg, dist, source, prepared.source_key, load, tokenizer)
     sampler = PromptSampler(len(rows), seed=cfg.seed, rank=dist.rank, world_size=dist.world_size,
                             shuffle=cfg.data.shuffle)
     checkpoints = Checkpointer(run_dir, policy, tokenizer, sampler, dist, lora=cfg.model.lora, steps=cfg.trainer.steps,
@@ -193,6 +198,8 @@ def _assemble(cfg: Config, dist, prepared: Prepared, stop_requested: Callable[[]
             truncate_metrics_file(run_dir, checkpoints.start_step)
     log = RunLog(run_dir, total_steps=cfg.trainer.steps, start_step=checkpoints.start_step, enabled=dist.is_main,
                  description=cfg.stage)
+    for warning in prepared.warnings:
+        log.warn(warning)
 
     import rewards
     from models.chat import prefix_decoder
@@ -211,7 +218,7 @@ def _assemble(cfg: Config, dist, prepared: Prepared, stop_requested: Callable[[]
         parts = SFTParts(policy, prepared.examples, sampler, pad_id, log, checkpoints, evaluate=held_out)
     else:
         parts = RLParts(policy, engine, sync_weights, reference, rows, prepared.prompt_ids, sampler, scorer, pad_id,
-                        log, checkpoints, evaluate=held_out)
+                        log, checkpoints, evaluate=held_out, vocab_size=vocab_size)
     return Run(parts, run_dir, log, checkpoints, held_out, engine, prepared)
 
 

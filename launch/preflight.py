@@ -45,14 +45,14 @@ def _check_rewards(cfg: Config) -> None:
         os.environ["NANOGRPO_CORPUS_INDEX"] = str(cfg.reward.corpus_index)
 
 
-def _check_settings(cfg: Config) -> None:
+def _check_settings(cfg: Config, world_size: int = 1) -> None:
     """Checks that relate settings to each other (each numeric setting's own range is checked when the config
     is read: grpo/config.py declares it beside the field)."""
     tcfg = cfg.trainer
     if cfg.stage == "rl" and cfg.rollout.n < 2:
         raise ConfigError(f"rollout.n={cfg.rollout.n}: a group needs at least 2 completions for a baseline")
     if cfg.stage == "rl":
-        _check_rl(cfg)
+        _check_rl(cfg, world_size)
     if cfg.algorithm.overlong_cache_len > cfg.rollout.max_new_tokens:
         raise ConfigError(f"algorithm.overlong_cache_len={cfg.algorithm.overlong_cache_len} exceeds "
                           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
@@ -68,19 +68,25 @@ def _check_settings(cfg: Config) -> None:
         raise ConfigError(f"init_from: checkpoint directory not found: {cfg.init_from}")
 
 
+GSPO_AGGREGATION = "seq-mean-token-mean"
+
 # A sequence-level ratio (GSPO) moves by the MEAN token log-ratio, a few 1e-4 per update: a clip range meant
 # for token ratios (0.2) would never bind. GSPO's paper uses 3e-4 / 4e-4; anything above this is refused.
 SEQUENCE_CLIP_LIMIT = 0.05
 
 
-def _check_rl(cfg: Config) -> None:
+def _check_rl(cfg: Config, world_size: int = 1) -> None:
     """The RL batch arithmetic and the algorithm settings that contradict each other."""
     algo, trainer, rollout = cfg.algorithm, cfg.trainer, cfg.rollout
     mini = algo.ppo_mini_batch_size
-    if mini is not None and trainer.prompts_per_step % mini:
-        raise ConfigError(f"algorithm.ppo_mini_batch_size={mini} does not divide trainer.prompts_per_step="
-                          f"{trainer.prompts_per_step} (both count prompts per rank; one optimizer step each)")
-    rows = (mini or trainer.prompts_per_step) * rollout.n
+    if mini is not None and (mini % world_size or trainer.prompts_per_step % (mini // world_size)):
+        # verl's meaning: prompts per optimizer step over ALL ranks, whereas trainer.prompts_per_step is per rank.
+        raise ConfigError(f"algorithm.ppo_mini_batch_size={mini} (prompts per optimizer step over all "
+                          f"{world_size} ranks, as in verl) must be a multiple of the world size {world_size} "
+                          f"whose share per rank divides trainer.prompts_per_step={trainer.prompts_per_step} "
+                          f"(per rank): e.g. {trainer.prompts_per_step * world_size} for one optimizer step per "
+                          f"rollout")
+    rows = (mini // world_size if mini else trainer.prompts_per_step) * rollout.n
     size = trainer.micro_batch_size
     if not trainer.max_tokens_per_micro_batch and rows % size and size < rows:
         raise ConfigError(f"trainer.micro_batch_size={size} does not divide the mini-batch of {rows} sequences "
@@ -90,6 +96,11 @@ def _check_rl(cfg: Config) -> None:
                           f"algorithm.clip_high={algo.clip_high}: a sequence ratio is exp of a MEAN log-ratio and "
                           f"moves far less than a token's, so a token-level range never clips; GSPO uses "
                           f"clip_low=3e-4, clip_high=4e-4 (at most {SEQUENCE_CLIP_LIMIT} accepted)")
+    if algo.ratio_level == "sequence" and algo.agg != GSPO_AGGREGATION:
+        # GSPO's objective is a mean over sequences of the sequence-level surrogate; a token mean weights each
+        # sequence by its length, which is another objective (verl forces the same aggregation for GSPO).
+        raise ConfigError(f"algorithm.ratio_level=sequence (GSPO) with algorithm.agg={algo.agg}: GSPO's objective "
+                          f"is a mean over sequences; set algorithm.agg={GSPO_AGGREGATION}")
     if algo.kl_in_reward and algo.kl_coef <= 0:
         raise ConfigError(f"algorithm.kl_in_reward=true needs algorithm.kl_coef > 0 (got {algo.kl_coef}): it "
                           f"is the coefficient of the KL subtracted from the reward")
@@ -106,10 +117,27 @@ def _check_rl(cfg: Config) -> None:
                           "model.attn_implementation=eager cannot pack")
 
 
+def startup_warnings(cfg: Config) -> list[str]:
+    """Settings that are allowed but train something a user may not expect; printed once at start-up."""
+    warnings = []
+    rollout = cfg.rollout
+    if cfg.stage == "rl" and cfg.algorithm.tis_cap is None and (rollout.top_p < 1 or rollout.top_k > 0):
+        # The engines sample from (and report logprobs of) the truncated, renormalised distribution; the
+        # trainer's old and new logprobs are of the full one. The update is then off-policy by the truncation,
+        # uncorrected, and logprob_gap reads the mean -log(kept mass) of the sampled tokens.
+        warnings.append(
+            f"rollout.top_p={rollout.top_p}, rollout.top_k={rollout.top_k}: the engine samples from the truncated "
+            f"distribution, the trainer's ratio is of the full one, so the update is off-policy by the truncation "
+            f"and nothing corrects it; expect logprob_gap to read the mean -log(probability mass kept) of the "
+            f"sampled tokens (e.g. 0.69 where top_p=0.5 keeps half the mass) instead of ~0. Sample with top_p: "
+            f"1.0 and top_k: 0 for on-policy RL")
+    return warnings
+
+
 def check_config(cfg: Config, dist) -> tuple[list[dict], list[dict]]:
     """Checks that need no tokenizer or model: settings, files, reward names. Returns (train rows, eval rows)."""
     import rewards
-    _check_settings(cfg)
+    _check_settings(cfg, dist.world_size)
     _check_rewards(cfg)
     if not cfg.data.train_files:
         raise ConfigError("data.train_files is empty: name at least one rows file (JSONL or Parquet)")
@@ -190,6 +218,7 @@ class Prepared:
     source_key: str  # which of the two keys named it
     latest: Path | None  # the checkpoint to resume from (trainer.resume)
     reward_pool: object | None  # launch.reward_pool.RewardPool, started; None scores in this process
+    warnings: list[str]  # startup_warnings: printed once the run log exists
 
     def close(self) -> None:
         if self.reward_pool is not None:
@@ -224,4 +253,5 @@ def prepare(cfg: Config, dist) -> Prepared:
     eval_prompt_ids = _tokenize_prompts(cfg, tokenizer, eval_rows, "data.eval_files")
     examples = _sft_examples(cfg, tokenizer, rows, prompt_ids) if cfg.stage == "sft" else []
     pool = _start_reward_pool(cfg, rows + eval_rows) if cfg.reward.num_workers else None
-    return Prepared(rows, eval_rows, tokenizer, prompt_ids, eval_prompt_ids, examples, source, key, latest, pool)
+    return Prepared(rows, eval_rows, tokenizer, prompt_ids, eval_prompt_ids, examples, source, key, latest, pool,
+                    startup_warnings(cfg))

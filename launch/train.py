@@ -171,6 +171,8 @@ def _dry_run(cfg: Config, dist) -> None:
     if dist.is_main:
         longest = max(map(len, prepared.prompt_ids + prepared.eval_prompt_ids))
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        for warning in prepared.warnings:
+            print(f"WARNING: {warning}", file=sys.stderr)
         resume = f"; would resume from {prepared.latest}" if prepared.latest else ""
         print(f"ok: {len(prepared.rows)} training rows, {len(prepared.eval_rows)} held-out rows, longest prompt "
               f"{longest} tokens (data.max_prompt_tokens={cfg.data.max_prompt_tokens}){resume}")

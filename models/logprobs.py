@@ -9,6 +9,8 @@ plain (B x (Lp+T)), shared prompts (each distinct prompt once, completions on it
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
 
@@ -22,6 +24,33 @@ DEFAULT_CHUNK_SIZE = 512
 # Config keys of HF models whose logits are not a plain lm_head projection; the fused path would silently
 # compute a different distribution for them, so it refuses.
 _UNSUPPORTED_LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
+
+
+def sampleable_vocab_size(model: torch.nn.Module, tokenizer) -> int:
+    """The ids an engine may sample: the tokenizer's, capped by the output projection's rows (the engines never
+    sample a padded row, which has no text)."""
+    return min(len(tokenizer), model.get_output_embeddings().weight.shape[0])
+
+
+@contextmanager
+def evaluating(model: torch.nn.Module):
+    """Run `model` in eval mode (no dropout) and restore its mode after: the no-grad passes (old and reference
+    logprobs) must score the tokens under the distribution the engines sampled from, which has no dropout."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+def dropout_active(model: torch.nn.Module) -> bool:
+    """Whether a forward of `model` in train mode drops units: a torch Dropout with p > 0 (LoRA's
+    lora_dropout, a model's own) or a config attention dropout > 0 (HF attention applies it while training)."""
+    config = getattr(model, "config", None)
+    if float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+        return True
+    return any(isinstance(module, torch.nn.Dropout) and module.p > 0 for module in model.modules())
 
 
 def _check_common(temperature: float, chunk_size: int) -> None:
@@ -220,6 +249,7 @@ def completion_logprobs(
     with_entropy: bool = False,
     share_prompts: bool = True,
     packed: bool = False,
+    vocab_size: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Logprobs (and optionally entropies) of the completion tokens under `model`, scaled by temperature.
 
@@ -233,6 +263,11 @@ def completion_logprobs(
     packed: run the micro-batch as one padding-free packed row (models.packing): each distinct prompt once
            (with share_prompts) and every completion at its own length, U*Lp + sum(T_b) tokens. The same values
            up to float rounding; also under gradient checkpointing.
+    vocab_size: normalise over the first vocab_size rows of the output projection only: the ids an engine can
+           sample (`sampleable_vocab_size`). A model whose embedding is padded beyond its tokenizer (Qwen2.5:
+           151,936 rows for 151,665 tokens) gives the padded rows some probability mass; the engines never
+           sample them and renormalise over the rest, so the trainer must too, or every token's old/rollout
+           ratio is off by log(1 - that mass). None: every row.
     """
     _check_common(temperature, chunk_size)
     input_ids, completion_mask, prompt_len = batch["input_ids"], batch["completion_mask"], int(batch["prompt_len"])
@@ -256,6 +291,8 @@ def completion_logprobs(
     # Read the projection only now: under FSDP2 the root's parameters are gathered (plain tensors swapped in
     # for the shards) from its forward until its backward.
     weight, bias = _output_projection(model)
+    if vocab_size is not None and vocab_size < weight.shape[0]:
+        weight, bias = weight[:vocab_size], None if bias is None else bias[:vocab_size]
     device = hidden.device
     selected = completion_mask.to(device) > 0
     logprobs_n, entropy_n = LogprobsFromHidden.apply(

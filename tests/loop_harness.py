@@ -88,7 +88,7 @@ def scripted_parts(parts, engine, *, lr: float, log=None):
 # --- One RL step through launch.build + train_rl, the same on 1 process and under torchrun -------------------
 
 ROWS = 8
-# Each case: overrides for both sides; "{P}" / "{MB}" / "{MINI}" are filled per world size so that 2 ranks x P
+# Each case: overrides for both sides; "{P}" / "{MINI}" are filled per world size so that 2 ranks x P
 # prompts see exactly what 1 rank x 2P does (the sampler strides one shuffle over the ranks: rank r reads
 # positions r, r + 2, ..., so the 2 ranks' first P prompts are the 1 rank's first 2P, and their k-th
 # mini-batches of one prompt make the 1 rank's k-th mini-batch of two).
@@ -128,7 +128,7 @@ def write_rows(path) -> None:
 
 def case_overrides(case: str, world_size: int, model_dir, rows_path, out_dir, *extra: str) -> list[str]:
     """The full override list of `case` at this world size: 4 prompts x G = 4 per step in all."""
-    fill = {"{P}": str(4 // world_size), "{MINI}": str(2 // world_size)}
+    fill = {"{P}": str(4 // world_size), "{MINI}": "2"}  # ppo_mini_batch_size counts prompts over all ranks
     overrides = [f"model.name_or_path={model_dir}", f"data.train_files=['{rows_path}']",
                  "reward.functions={tests_vowels: 'rewards_for_tests:vowel_fraction'}", "rollout.n=4",
                  "rollout.max_new_tokens=16", "trainer.prompts_per_step={P}", "trainer.steps=1",
