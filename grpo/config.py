@@ -187,11 +187,19 @@ class RolloutConfig:
     """Seconds a weight sync into the engine may take; past it the rank prints an error naming the phase, the
     step and the rank, and exits (code 124): a stalled sync cannot be interrupted from inside."""
     vllm_kv_cache_mb: int = bounded(256, 1)
-    """vLLM KV cache bound on CPU (bytes are given to kv_cache_memory_bytes)."""
+    """vLLM KV cache on CPU (given as kv_cache_memory_bytes); on GPUs the cache is sized by
+    vllm_gpu_memory_utilization instead (a byte cap there would override it)."""
     vllm_gpu_memory_utilization: float = bounded(0.4, 0, 1, low_open=True)
     """Fraction of GPU memory vLLM may take when colocated."""
+    max_model_len: int | None = bounded(None, 1)
+    """vLLM's context (prompt + completion tokens per sequence); null: data.max_prompt_tokens plus the longest
+    completion a run asks for (rollout.max_new_tokens, or trainer.eval_max_new_tokens when longer)."""
+    enforce_eager: bool | None = None
+    """vLLM without CUDA graphs; null: eager on CPU, CUDA graphs on GPUs (decoding a 1-8B model is bound by
+    kernel launches without them)."""
     tensor_parallel_size: int = bounded(1, 1)
-    """vLLM tensor parallelism inside the torchrun world."""
+    """vLLM tensor parallelism inside the torchrun world: each group of this many consecutive ranks runs one
+    replica, draws the same prompts and seeds, and each of its ranks trains on its own share of the groups."""
 
 
 @dataclass
@@ -289,6 +297,10 @@ class TrainerConfig:
     collective_timeout_s: float = bounded(1800.0, 0, low_open=True)
     """Seconds a collective (all-reduce, FSDP all-gather) may wait for the other ranks before the run fails
     naming the phase, the step and the rank (torch.distributed's process-group timeout)."""
+    nccl_blocking_wait: bool = True
+    """NCCL (GPUs) only: collectives wait in the calling thread (TORCH_NCCL_BLOCKING_WAIT=1), so a timed-out one
+    raises there and the run ends naming the phase, the step and the rank; false leaves NCCL's watchdog to
+    tear the process down with its own message (slightly less host overhead per collective)."""
     out_dir: str = "runs"
     """Parent of run directories."""
     run_name: str = "run"

@@ -52,13 +52,14 @@ def metric_names(scorer: Scorer, rows: Sequence[dict]) -> list[str]:
 
 def evaluate(engine, scorer: Scorer, rows: Sequence[dict], prompt_ids: Sequence[list[int]], dist, *,
              max_new_tokens: int, batch_size: int = 16) -> dict:
-    """Score every held-out row (each rank completes every world_size-th row; the values are gathered).
+    """Score every held-out row (each replica completes every dp_size-th row; the values are gathered; the
+    ranks of a tensor-parallel replica submit the same requests and its first rank reports them).
 
     Returns {"count": N, "values": {metric: [N per-prompt floats, NaN where undefined]}, "means": {metric:
     (mean, low, high)}, "records": this rank's [{"index", "completion", "finish_reason", **values}]}.
     Metrics: metric_names (a component a row's reward lacks is NaN for that row).
     """
-    mine = list(range(dist.rank, len(rows), dist.world_size))
+    mine = list(range(dist.dp_rank, len(rows), dist.dp_size))
     completions = greedy_completions(engine, [prompt_ids[i] for i in mine], max_new_tokens=max_new_tokens,
                                      batch_size=batch_size)
     records = []
@@ -68,7 +69,7 @@ def evaluate(engine, scorer: Scorer, rows: Sequence[dict], prompt_ids: Sequence[
                         "finish_reason": completion.finish_reason, **values})
     names = metric_names(scorer, rows)
     table = torch.zeros(len(rows), len(names), dtype=torch.float64, device=dist.device)
-    for i, record in zip(mine, records):
+    for i, record in zip(mine, records if dist.tp_rank == 0 else []):
         table[i] = torch.tensor([record.get(name, math.nan) for name in names], dtype=torch.float64)
     table = dist.all_reduce_sum(table).cpu()  # each row is filled by exactly one rank
     values = {name: table[:, k].tolist() for k, name in enumerate(names)}

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from grpo.filters import keep_groups
 from grpo.scoring import Scorer
+from rollout.engine import stream_seed
 
 
 @dataclass
@@ -78,25 +79,33 @@ def generate_groups(engine, scorer: Scorer, rows: Sequence[dict], prompt_ids: Se
 
 def collect_groups(engine, sampler, rows: Sequence[dict], prompt_ids: Sequence[list[int]], scorer: Scorer, *,
                    num_prompts: int, group_size: int, sampling: dict, seed: int, dynamic_sampling: bool = False,
-                   max_rounds: int = 1) -> Batch:
-    """Generate and score until `num_prompts` groups are kept (all of them without dynamic sampling).
+                   max_rounds: int = 1, shares: int = 1, share: int = 0) -> Batch:
+    """Generate and score until `shares * num_prompts` groups are kept (all of them without dynamic sampling),
+    and return share `share` of them: num_prompts groups.
 
-    sampler: data.sampler.PromptSampler (`next(count)` -> row indices of this rank).
+    sampler: data.sampler.PromptSampler (`next(count)` -> row indices of this replica).
+    shares:  the ranks of one engine replica (vLLM tensor parallelism), which must submit identical requests:
+             each of them runs this with the same sampler state and seed, gets the same groups, and keeps its
+             own share. 1: this rank alone.
     With dynamic sampling (DAPO) a group is kept only when its correctness is not constant; a batch that is
     still short after `max_rounds` rounds is filled with dropped groups whose loss weight is 0, so every rank
-    runs the same number of micro-batches (FSDP needs it). Round r generates with seed + 7919 * r.
+    runs the same number of micro-batches (FSDP needs it). Round 0 generates with `seed` (the trainer's
+    rollout.engine.stream_seed(run seed, step, replica)), round r > 0 with stream_seed(seed, r): no round, step
+    or replica reuses another's stream.
     """
+    wanted = shares * num_prompts
     kept: list[Group] = []
     dropped: list[Group] = []
     rounds = 0
-    while len(kept) < num_prompts and rounds < (max_rounds if dynamic_sampling else 1):
-        groups = generate_groups(engine, scorer, rows, prompt_ids, sampler.next(num_prompts), group_size=group_size,
-                                 sampling=sampling, seed=seed + 7919 * rounds)
+    while len(kept) < wanted and rounds < (max_rounds if dynamic_sampling else 1):
+        groups = generate_groups(engine, scorer, rows, prompt_ids, sampler.next(wanted), group_size=group_size,
+                                 sampling=sampling, seed=seed if rounds == 0 else stream_seed(seed, rounds))
         informative = keep_groups(torch.cat([g.correct for g in groups]), group_size)
         for group, keep in zip(groups, informative.tolist()):
             (kept if keep or not dynamic_sampling else dropped).append(group)
         rounds += 1
-    chosen = kept[:num_prompts]
-    weights = [1.0] * len(chosen) + [0.0] * (num_prompts - len(chosen))
-    chosen += dropped[: num_prompts - len(chosen)]
-    return Batch.from_groups(chosen, weights, rounds=rounds, generated=rounds * num_prompts)
+    chosen = kept[:wanted]
+    weights = [1.0] * len(chosen) + [0.0] * (wanted - len(chosen))
+    chosen += dropped[: wanted - len(chosen)]
+    mine = slice(share * num_prompts, (share + 1) * num_prompts)
+    return Batch.from_groups(chosen[mine], weights[mine], rounds=rounds, generated=rounds * num_prompts)

@@ -16,10 +16,16 @@ from grpo.scoring import Scorer
 
 
 class Collectives(Protocol):
-    """This process's place in the run (launch.dist.DistInfo): one process gives identities."""
+    """This process's place in the run (launch.dist.DistInfo): one process gives identities. The ranks of one
+    engine replica (tp_size consecutive ranks, vLLM tensor parallelism) form data-parallel group dp_rank of
+    dp_size: they draw the same prompts and seeds, and rank tp_rank of the group trains on its share."""
     rank: int
     world_size: int
     device: torch.device
+    dp_rank: int
+    dp_size: int
+    tp_rank: int
+    tp_size: int
 
     def all_reduce_sum(self, tensor: Tensor) -> Tensor: ...
     def all_reduce_max(self, tensor: Tensor) -> Tensor: ...

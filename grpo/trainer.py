@@ -35,6 +35,7 @@ from grpo.shaping import kl_reward_penalty, overlong_penalty
 from grpo.update import optimizer_step
 from models.batching import pad_batch
 from models.logprobs import completion_logprobs, dropout_active, evaluating
+from rollout.engine import stream_seed
 
 
 @contextmanager
@@ -98,6 +99,9 @@ def micro_batch_loss(logprobs: Tensor, entropy: Tensor | None, old: Tensor, adva
         metrics["entropy"] = masked_mean(entropy.detach(), mask)
     # Engine vs trainer on the same weights and tokens: the mismatch truncated IS corrects.
     metrics["logprob_gap"] = masked_mean((old - rollout_logprobs).abs(), mask)
+    if is_weights is not None:  # how much the correction does: its mean weight and how often the cap binds
+        metrics["tis_weight_mean"] = masked_mean(is_weights, mask)
+        metrics["tis_clip_frac"] = masked_mean((is_weights >= algo.tis_cap).float(), mask)
     return loss, {key: float(value) for key, value in metrics.items()}
 
 
@@ -128,14 +132,15 @@ def train_rl(cfg: Config, dist: Collectives, parts: RLParts) -> dict:
     for step in range(parts.checkpoints.start_step, tcfg.steps):
         times: dict[str, float] = {}
 
-        # 1. Rollout and rewards: P prompts x G completions per rank; DAPO keeps only informative groups.
+        # 1. Rollout and rewards: P prompts x G completions per rank; DAPO keeps only informative groups. The
+        # ranks of one engine replica (tensor parallelism) submit the same requests and keep their own shares.
         with timed(times, "rollout_reward"):
             batch = collect_groups(
                 parts.engine, parts.sampler, parts.rows, parts.prompt_ids, parts.scorer,
                 num_prompts=tcfg.prompts_per_step, group_size=group_size, sampling=sampling,
-                seed=cfg.seed * 1_000_003 + step * dist.world_size + dist.rank,
-                dynamic_sampling=algo.dynamic_sampling, max_rounds=algo.max_gen_batches)
-            parts.engine.sleep()  # vLLM on GPUs: free the KV cache while the trainer runs (no-op on CPU)
+                seed=stream_seed(cfg.seed, step, dist.dp_rank), dynamic_sampling=algo.dynamic_sampling,
+                max_rounds=algo.max_gen_batches, shares=dist.tp_size, share=dist.tp_rank)
+            parts.engine.sleep()  # vLLM on GPUs: free weights and KV cache while the trainer runs (no-op on CPU)
         completions, mask = batch.completions, batch.mask
 
         # 2. The plan: mini-batches of whole groups (one optimizer step each) made of micro-batches (one
@@ -209,9 +214,8 @@ def train_rl(cfg: Config, dist: Collectives, parts: RLParts) -> dict:
                                                       max_skips=tcfg.max_consecutive_skips)
             scheduler.step()
 
-        # 6. Weight sync: the engine generates the next batch with the updated weights.
+        # 6. Weight sync: the engine generates the next batch with the updated weights (rollout.sync wakes it).
         with timed(times, "sync"):
-            parts.engine.wake()  # weights back first; the sync then overwrites them
             sync_info = parts.sync_weights()
 
         # 7. Metrics (grad_norm: of the last optimizer step), warnings, samples, held-out scores, checkpoint.

@@ -26,9 +26,12 @@ from grpo.scoring import Scorer
 from launch.allocator import keep_freed_memory
 from launch.checkpointing import Checkpointer
 from launch.config import ConfigError, to_dict
+from launch.engines import build_engine
+from launch.plan import Target, attention
 from launch.preflight import Prepared, prepare
 from launch.runlog import RunLog, truncate_metrics_file
 from launch.watchdog import with_deadline
+from models.precision import compute_in
 
 
 class HeldOut:
@@ -128,12 +131,17 @@ def _policy(cfg: Config, dist, source: str | None, key: str, load: dict, tokeniz
                 raise ConfigError(str(error)) from None
     model = _load(cfg, dist, source, key, load, gradient_checkpointing=cfg.model.gradient_checkpointing,
                   prepare=prepare)
+    compute = getattr(torch, cfg.model.param_dtype)
+    if dist.world_size == 1:
+        compute_in(model, compute)  # fp32 master weights, bf16 products (FSDP2 does this under torchrun)
     model.train()  # gradient checkpointing and dropout only act in train mode; engines restore it after generate
     vocab_size = sampleable_vocab_size(model, tokenizer)
     reference = None
     if cfg.stage == "rl" and cfg.algorithm.kl_coef > 0:
-        # LoRA: the policy with its adapters off (no second model); else the frozen starting model.
-        reference_model = model if lora.enabled else _load(cfg, dist, source, key, load).eval().requires_grad_(False)
+        # LoRA: the policy with its adapters off (no second model); else the frozen starting model, stored in
+        # the compute dtype (a frozen model needs no master copy: launch.plan.precision).
+        reference_model = model if lora.enabled else _load(cfg, dist, source, key, dict(load, dtype=compute)
+                                                           ).eval().requires_grad_(False)
         reference = Reference(reference_model, adapters_off=lora.enabled, temperature=cfg.rollout.temperature,
                               chunk_size=cfg.model.logprob_chunk_size, vocab_size=vocab_size)
     # fused: one kernel over all parameters (CPU and CUDA, DTensor shards too); measured 4x faster than the
@@ -166,10 +174,12 @@ def _assemble(cfg: Config, dist, prepared: Prepared, stop_requested: Callable[[]
     torch.manual_seed(cfg.seed)
     if cfg.trainer.keep_freed_memory and dist.device.type == "cpu":
         keep_freed_memory()
-    load = dict(dtype=getattr(torch, cfg.model.dtype), device=dist.device,
-                attn_implementation=cfg.model.attn_implementation, trust_remote_code=cfg.model.trust_remote_code)
+    target = Target.here(dist.world_size)
+    load = dict(dtype=getattr(torch, cfg.model.dtype), device=dist.device, attn_implementation=attention(cfg, target),
+                trust_remote_code=cfg.model.trust_remote_code)
     policy, reference, vocab_size = _policy(cfg, dist, source, prepared.source_key, load, tokenizer)
-    sampler = PromptSampler(len(rows), seed=cfg.seed, rank=dist.rank, world_size=dist.world_size,
+    # One order over the rows per replica: the ranks of a tensor-parallel replica draw the same prompts.
+    sampler = PromptSampler(len(rows), seed=cfg.seed, rank=dist.dp_rank, world_size=dist.dp_size,
                             shuffle=cfg.data.shuffle)
     checkpoints = Checkpointer(run_dir, policy, tokenizer, sampler, dist, lora=cfg.model.lora, steps=cfg.trainer.steps,
                                save_every=cfg.trainer.save_every, keep_last=cfg.trainer.keep_last,
@@ -182,7 +192,9 @@ def _assemble(cfg: Config, dist, prepared: Prepared, stop_requested: Callable[[]
 
     engine, sync_weights = None, (lambda: {})
     if cfg.stage == "rl" or eval_rows:
-        engine, engine_sync = _build_engine(cfg, dist, policy.model, tokenizer, source, load)
+        from models.loading import resolve_model_dir
+        engine, engine_sync = build_engine(cfg, target, resolve_model_dir(source), tokenizer, device=dist.device,
+                                           dp_rank=dist.dp_rank, policy=policy.model)
         if engine_sync is not None:
             limit = f"rollout.sync_timeout_s={cfg.rollout.sync_timeout_s:g} s"
             sync_weights = with_deadline(engine_sync, cfg.rollout.sync_timeout_s, limit, lambda: (
@@ -220,28 +232,3 @@ def _assemble(cfg: Config, dist, prepared: Prepared, stop_requested: Callable[[]
         parts = RLParts(policy, engine, sync_weights, reference, rows, prepared.prompt_ids, sampler, scorer, pad_id,
                         log, checkpoints, evaluate=held_out, vocab_size=vocab_size)
     return Run(parts, run_dir, log, checkpoints, held_out, engine, prepared)
-
-
-def _build_engine(cfg: Config, dist, model, tokenizer, source, load):
-    """The rollout engine and a function that syncs the policy's weights into it (None when the engine generates
-    with the policy module itself)."""
-    from rollout.sync import sync_weights
-    bucket = cfg.rollout.sync_bucket_mb << 20
-    if cfg.rollout.engine == "vllm":
-        from models.loading import resolve_model_dir
-        from rollout.vllm_engine import VLLMEngine
-        engine = VLLMEngine(str(resolve_model_dir(source)), dtype=cfg.model.param_dtype, seed=dist.rank,
-                            kv_cache_memory_bytes=cfg.rollout.vllm_kv_cache_mb << 20,
-                            gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
-                            tensor_parallel_size=cfg.rollout.tensor_parallel_size)
-        return engine, lambda: sync_weights(model, engine, bucket_bytes=bucket)
-    from rollout.hf_engine import HFEngine
-    if dist.world_size == 1:
-        # One process: the engine generates with the policy module itself; nothing to sync.
-        return HFEngine(model, tokenizer, shared=True, num_threads=cfg.rollout.num_threads), None
-    # Under FSDP every forward is a collective, and ranks stop generating at different times: the engine
-    # needs its own full copy, refreshed from the shards after every update.
-    from models import load_model
-    engine = HFEngine(load_model(source, **load).eval().requires_grad_(False), tokenizer, shared=False,
-                      num_threads=cfg.rollout.num_threads)
-    return engine, lambda: sync_weights(model, engine, bucket_bytes=bucket)

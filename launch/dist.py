@@ -29,10 +29,25 @@ class DistInfo:
     mesh: object = None  # DeviceMesh over all ranks (FSDP2), None for one process
     all_reduce_sum: Callable = _identity
     all_reduce_max: Callable = _identity
+    tp_size: int = 1  # ranks per engine replica (launch.plan.tp_groups): consecutive ranks share prompts and seeds
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """The replica (data-parallel group of the rollout) this rank belongs to."""
+        return self.rank // self.tp_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.tp_size
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's place in its replica: which share of the replica's groups it trains on."""
+        return self.rank % self.tp_size
 
 
 def _all_reduce(op):
@@ -47,8 +62,30 @@ def _all_reduce(op):
     return reduce
 
 
-def init_distributed(timeout_s: float = 1800.0) -> DistInfo:
-    """One process, or the torchrun world (nccl on CUDA, gloo on CPU). Call once, before building vLLM.
+def process_group_options(device: torch.device, *, blocking_wait: bool = True) -> tuple[str, dict, dict]:
+    """(backend, extra init_process_group keyword arguments, environment variables to set first) for `device`.
+
+    NCCL (CUDA): device_id binds the group to this rank's GPU (the communicator is created at once, on the right
+    device, instead of lazily at the first collective). Its collectives are asynchronous: by default a timed-out
+    one is found by NCCL's watchdog thread, which tears the process down with its own message and our named
+    error (phase, step, rank) never appears. TORCH_NCCL_BLOCKING_WAIT=1 makes the calling thread wait for each
+    collective and raise there when trainer.collective_timeout_s passes, so launch.train names it as it does on
+    gloo (trainer.nccl_blocking_wait=false turns it off). A variable the user set is left as it is.
+    gloo (CPU): collectives already raise in the caller.
+
+    >>> process_group_options(torch.device("cuda", 3))
+    ('nccl', {'device_id': device(type='cuda', index=3)}, {'TORCH_NCCL_BLOCKING_WAIT': '1'})
+    >>> process_group_options(torch.device("cpu"))
+    ('gloo', {}, {})
+    """
+    if device.type != "cuda":
+        return "gloo", {}, {}
+    return "nccl", {"device_id": device}, ({"TORCH_NCCL_BLOCKING_WAIT": "1"} if blocking_wait else {})
+
+
+def init_distributed(timeout_s: float = 1800.0, *, nccl_blocking_wait: bool = True) -> DistInfo:
+    """One process, or the torchrun world (nccl on CUDA, gloo on CPU: process_group_options). Call once, before
+    building vLLM.
 
     timeout_s (trainer.collective_timeout_s): how long a collective waits for the other ranks before it raises,
     so a rank that died or stopped answering ends the run with an error instead of a hang."""
@@ -61,7 +98,10 @@ def init_distributed(timeout_s: float = 1800.0) -> DistInfo:
     if world_size == 1:
         return DistInfo(device=device)
     if not torch_dist.is_initialized():
-        timeout, backend = datetime.timedelta(seconds=timeout_s), "nccl" if cuda else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        backend, options, environment = process_group_options(device, blocking_wait=nccl_blocking_wait)
+        for name, value in environment.items():
+            os.environ.setdefault(name, value)
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # torchrun's store outlives a restart (--max-restarts) with the dead attempt's keys still in it, and
             # gloo would dial the dead ranks' old addresses: every attempt gets keys of its own.
@@ -69,9 +109,10 @@ def init_distributed(timeout_s: float = 1800.0) -> DistInfo:
                                         is_master=False, timeout=timeout)
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             torch_dist.init_process_group(backend, store=torch_dist.PrefixStore(f"nanogrpo/attempt_{attempt}", store),
-                                          rank=int(os.environ["RANK"]), world_size=world_size, timeout=timeout)
+                                          rank=int(os.environ["RANK"]), world_size=world_size, timeout=timeout,
+                                          **options)
         else:
-            torch_dist.init_process_group(backend, timeout=timeout)
+            torch_dist.init_process_group(backend, timeout=timeout, **options)
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(device.type, (world_size,))
     return DistInfo(rank=torch_dist.get_rank(), world_size=world_size, local_rank=local_rank, device=device,

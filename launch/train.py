@@ -1,6 +1,7 @@
 """The one entry point for SFT and RL (GRPO / DAPO / Dr. GRPO / process-reward GRPO), one process or torchrun.
 
     python -m launch.train --config launch/configs/demo_grpo.yaml [key.sub=value ...] [--resume] [--dry-run]
+    python -m launch.train --config launch/configs/veriseek_grpo.yaml --dry-run --device cuda --world-size 8
     torchrun --nproc_per_node=8 -m launch.train --config launch/configs/veriseek_grpo.yaml
     torchrun --nproc_per_node=8 --max-restarts=3 -m launch.train ... trainer.resume=auto   # a dead rank restarts
     torchrun --nnodes=2 --node_rank=$RANK --rdzv_endpoint=$HOST:29500 --nproc_per_node=8 -m launch.train ...
@@ -11,6 +12,7 @@ eval.json (held-out before/after) and checkpoints/step_<n>/ (HF format + optimiz
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import signal
@@ -31,7 +33,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--config", help="YAML recipe (launch/configs/*.yaml); defaults when omitted")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest complete checkpoint (trainer.resume=always)")
-    parser.add_argument("--dry-run", action="store_true", help="check the recipe and data, print it, and exit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check the recipe and data, print it and, as the last line, the plan (launch/plan.py) "
+                             "as JSON; exit")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="--dry-run: plan for this device instead of this machine's (then only the recipe's "
+                             "settings are checked: its files, model and tokenizer are the target's)")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="--dry-run: plan for this many torchrun ranks (default: this launch's)")
+    parser.add_argument("--no-flash-attn", action="store_true",
+                        help="--dry-run --device cuda: plan for a node without flash-attn")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. optim.lr=1e-6")
     return parser.parse_args(argv)
 
@@ -122,6 +133,8 @@ def run(cfg: Config, dist, *, resume: bool = False) -> dict:
     from grpo.trainer import train_rl
     from launch.build import build
 
+    from launch.plan import tp_size
+    dist = dataclasses.replace(dist, tp_size=tp_size(cfg))  # which ranks share one engine replica
     with interrupt_requests(announce=dist.is_main) as request:
         def stop() -> bool:
             # Every rank must stop after the same step: the request is reduced over ranks once per step.
@@ -158,24 +171,43 @@ def _train(cfg: Config, dist, built, loop) -> dict:
     summary["after"] = _jsonable(held_out.result(cfg.trainer.steps)) if held_out is not None else {}
     if dist.is_main:
         (built.run_dir / "eval.json").write_text(json.dumps({k: summary[k] for k in ("before", "after")}, indent=1))
-    if built.engine is not None and hasattr(built.engine, "close"):
+    if built.engine is not None:
         built.engine.close()
     return summary
 
 
-def _dry_run(cfg: Config, dist) -> None:
-    """Every check a real start makes before the model loads (launch/preflight.py), then print the config."""
-    from launch.preflight import prepare
-    prepared = prepare(cfg, dist)
-    prepared.close()
+def _dry_run(cfg: Config, dist, args: argparse.Namespace) -> None:
+    """Every check a real start makes before the model loads (launch/preflight.py), then print the config and, as
+    the last line of stdout, the plan (launch.plan.run_plan) as one JSON object. For another target (--device,
+    --world-size) only the settings are checked: the files, model and tokenizer are the target machine's."""
+    from launch.plan import Target, run_plan
+    from launch.preflight import _check_settings, prepare, startup_warnings
+    here = Target.here(dist.world_size)
+    target = Target(args.device or here.device, args.world_size or dist.world_size,
+                    not args.no_flash_attn and (here.flash_attn if args.device in (None, here.device) else True))
+    model = cfg.init_from or cfg.model.name_or_path or "<the embedded default's directory>"
+    if target == here:
+        from models import resolve_model_dir
+        prepared = prepare(cfg, dist)
+        prepared.close()
+        warnings, summary = prepared.warnings, _prepared_summary(cfg, prepared)
+        model = str(resolve_model_dir(prepared.source))
+    else:
+        _check_settings(cfg, target.world_size, target)
+        warnings, summary = startup_warnings(cfg), f"ok: settings checked for {target.device} x {target.world_size}"
     if dist.is_main:
-        longest = max(map(len, prepared.prompt_ids + prepared.eval_prompt_ids))
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        for warning in prepared.warnings:
+        for warning in warnings:
             print(f"WARNING: {warning}", file=sys.stderr)
-        resume = f"; would resume from {prepared.latest}" if prepared.latest else ""
-        print(f"ok: {len(prepared.rows)} training rows, {len(prepared.eval_rows)} held-out rows, longest prompt "
-              f"{longest} tokens (data.max_prompt_tokens={cfg.data.max_prompt_tokens}){resume}")
+        print(summary)
+        print(json.dumps(run_plan(cfg, target, model)))
+
+
+def _prepared_summary(cfg: Config, prepared) -> str:
+    longest = max(map(len, prepared.prompt_ids + prepared.eval_prompt_ids))
+    resume = f"; would resume from {prepared.latest}" if prepared.latest else ""
+    return (f"ok: {len(prepared.rows)} training rows, {len(prepared.eval_rows)} held-out rows, longest prompt "
+            f"{longest} tokens (data.max_prompt_tokens={cfg.data.max_prompt_tokens}){resume}")
 
 
 def main(argv=None) -> int:
@@ -189,10 +221,11 @@ def main(argv=None) -> int:
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
-    dist = init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
+    dist = init_distributed(timeout_s=cfg.trainer.collective_timeout_s,
+                            nccl_blocking_wait=cfg.trainer.nccl_blocking_wait)
     try:
         if args.dry_run:
-            _dry_run(cfg, dist)
+            _dry_run(cfg, dist, args)
             return 0
         summary = run(cfg, dist)
         if "interrupted" in summary:

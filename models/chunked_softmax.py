@@ -87,12 +87,25 @@ class LogprobsFromLogits(torch.autograd.Function):
         return grad_logits, None, None, None, None
 
 
+def fp32_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """hidden [C, H] @ weight [V, H].T (+ bias) -> [C, V] float32, never rounded to a half dtype on the way.
+
+    fp32 weights: one fp32 product. Half-precision weights (FSDP2's bf16 compute) on CUDA: the products in
+    their dtype, accumulated and written in fp32 (torch.mm's out_dtype); elsewhere both sides are cast to fp32
+    first (exact). A bf16 output, as a model's own lm_head gives, rounds logits of ~20 by up to 0.06.
+    """
+    with torch.autocast(hidden.device.type, enabled=False):
+        if weight.dtype != torch.float32 and hidden.is_cuda:
+            logits = torch.mm(hidden.to(weight.dtype), weight.t(), out_dtype=torch.float32)
+            return logits if bias is None else logits.add_(bias.float())
+        return F.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
+
+
 class LogprobsFromHidden(torch.autograd.Function):
     """(hidden [N, H], weight [V, H], bias [V] or None, labels [N]) -> (logprobs [N], entropy [N] or [0]).
 
-    Each chunk's logits are F.linear(hidden, weight, bias) in the weights' dtype (as the model's own lm_head
-    computes them), then fp32. Backward recomputes them chunk by chunk; the weight gradient is accumulated in
-    fp32 across chunks and cast to the weight's dtype once at the end.
+    Each chunk's logits are fp32_logits(hidden, weight, bias). Backward recomputes them chunk by chunk; the
+    weight gradient is accumulated in fp32 across chunks and cast to the weight's dtype once at the end.
     """
 
     @staticmethod
@@ -101,7 +114,7 @@ class LogprobsFromHidden(torch.autograd.Function):
         logprobs = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logprobs) if with_entropy else logprobs.new_empty(0)
         for rows in _chunks(num_rows, chunk_size):
-            logits = F.linear(hidden[rows], weight, bias)
+            logits = fp32_logits(hidden[rows], weight, bias)
             chunk_logprobs, chunk_entropy = _chunk_statistics(logits, labels[rows], temperature, with_entropy, owned=True)
             logprobs[rows] = chunk_logprobs
             if with_entropy:
@@ -120,7 +133,7 @@ class LogprobsFromHidden(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
         for rows in _chunks(hidden.shape[0], ctx.chunk_size):
-            logits = F.linear(hidden[rows], weight, bias)
+            logits = fp32_logits(hidden[rows], weight, bias)
             grad = _chunk_grad_scaled(
                 logits, labels[rows], entropy[rows] if ctx.with_entropy else None,
                 None if grad_logprobs is None else grad_logprobs[rows],
@@ -128,9 +141,9 @@ class LogprobsFromHidden(torch.autograd.Function):
                 ctx.temperature, owned=True,
             ).to(weight.dtype)
             if need_hidden:
-                grad_hidden[rows] = grad @ weight
+                grad_hidden[rows] = (grad @ weight).to(hidden.dtype)
             if need_weight:
-                grad_weight += (grad.t() @ hidden[rows]).float()
+                grad_weight += (grad.t() @ hidden[rows].to(weight.dtype)).float()
             if need_bias:
                 grad_bias += grad.float().sum(dim=0)
         return (

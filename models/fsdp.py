@@ -269,7 +269,7 @@ def load_sharded_model(
     raise_on_all_ranks(error)
     directory = broadcast_object(directory)
     config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code, local_files_only=True)
-    config._attn_implementation = resolve_attn_implementation(attn_implementation, device)
+    config._attn_implementation = resolve_attn_implementation(attn_implementation, device, param_dtype or dtype)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     if gradient_checkpointing:

@@ -79,14 +79,30 @@ def _cached_hub_snapshot(repo_id: str, need_weights: bool) -> Path:
     return snapshot
 
 
-def resolve_attn_implementation(attn_implementation: str, device: str | torch.device) -> str:
-    """"auto" -> flash_attention_2 when flash-attn is importable and the device is CUDA, else sdpa."""
-    if attn_implementation != "auto":
-        return attn_implementation
-    on_cuda = torch.device(device).type == "cuda"
-    if on_cuda and importlib.util.find_spec("flash_attn") is not None:
+HALF_DTYPES = ("bfloat16", "float16")
+
+
+def choose_attention(requested: str, device_type: str, compute_dtype: str, flash_attn: bool) -> str:
+    """The attention implementation a model loads with. "auto": flash_attention_2 on CUDA where flash-attn is
+    installed and the model computes in bf16/fp16 (flash-attn refuses fp32), else sdpa; anything else as asked.
+
+    >>> choose_attention("auto", "cuda", "bfloat16", True), choose_attention("auto", "cuda", "float32", True)
+    ('flash_attention_2', 'sdpa')
+    """
+    if requested != "auto":
+        return requested
+    if device_type == "cuda" and flash_attn and compute_dtype in HALF_DTYPES:
         return "flash_attention_2"
     return "sdpa"
+
+
+def resolve_attn_implementation(attn_implementation: str, device: str | torch.device,
+                                compute_dtype: str | torch.dtype = "float32") -> str:
+    """choose_attention on this machine: flash-attn counts as installed when it imports."""
+    device_type = torch.device(device).type
+    flash = device_type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+    dtype = str(compute_dtype).removeprefix("torch.")
+    return choose_attention(attn_implementation, device_type, dtype, flash)
 
 
 def load_model(
@@ -105,7 +121,7 @@ def load_model(
     model = AutoModelForCausalLM.from_pretrained(
         directory,
         dtype=dtype,
-        attn_implementation=resolve_attn_implementation(attn_implementation, device),
+        attn_implementation=resolve_attn_implementation(attn_implementation, device, dtype),
         trust_remote_code=trust_remote_code,
         local_files_only=True,
     )

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from models.attention import SDPA_NATIVE_GQA, attention_implementation
 from models.chunked_softmax import LogprobsFromHidden, LogprobsFromLogits
-from models.packing import PACKABLE_IMPLEMENTATIONS, flash_attn_available, install_packed_dispatch, pack_batch, varlen_layout
+from models.packing import PACKABLE_IMPLEMENTATIONS, install_packed_dispatch, pack_batch, varlen_layout
 
 # Rows (tokens) per chunk: one fp32 [C, V] block is 100 MB at V = 49,152 and 311 MB at V = 151,936.
 DEFAULT_CHUNK_SIZE = 512
@@ -167,25 +167,34 @@ def _shared_prompt_hidden(model, batch: dict, prompt_len: int, unique_rows: Tens
     return torch.cat([last_prompt_hidden[prompt_index], captured["hidden"][:, :-1]], dim=1)
 
 
+def unpackable(model) -> str | None:
+    """Why `model` cannot run a packed pass, or None when it can."""
+    config = model.config
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return (f"packed passes do not implement sliding-window attention (config.sliding_window="
+                f"{config.sliding_window}); use packed=False")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return (f"packed passes do not implement attention soft-capping (config.attn_logit_softcapping="
+                f"{config.attn_logit_softcapping}); use packed=False")
+    implementation = config._attn_implementation
+    if implementation not in PACKABLE_IMPLEMENTATIONS:
+        return (f"packed passes run on attention implementations {list(PACKABLE_IMPLEMENTATIONS)}; the model uses "
+                f"{implementation!r} (model.attn_implementation=sdpa), or use packed=False")
+    return None
+
+
 def _packed_hidden(model, batch: dict, prompt_index: Tensor | None, captured: dict) -> tuple[Tensor, Tensor]:
     """Final hidden states [M, H] predicting the M real completion tokens (row-major), and those tokens [M],
     from one packed forward (models.packing). prompt_index: [B] rows sharing a packed prompt, or None."""
-    config = model.config
-    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
-        raise ValueError(f"packed passes do not implement sliding-window attention (config.sliding_window="
-                         f"{config.sliding_window}); use packed=False")
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        raise ValueError(f"packed passes do not implement attention soft-capping (config.attn_logit_softcapping="
-                         f"{config.attn_logit_softcapping}); use packed=False")
-    implementation = config._attn_implementation
-    if implementation not in PACKABLE_IMPLEMENTATIONS:
-        raise ValueError(f"packed passes run on attention implementations {list(PACKABLE_IMPLEMENTATIONS)}; the model "
-                         f"uses {implementation!r} (model.attn_implementation=sdpa), or use packed=False")
+    reason = unpackable(model)
+    if reason is not None:
+        raise ValueError(reason)
+    implementation = model.config._attn_implementation
     install_packed_dispatch()
     device = model.get_output_embeddings().weight.device
     packed = pack_batch(batch, None if prompt_index is None else prompt_index.cpu())
     attention_kwargs = {"packed_segments": packed.segments}
-    if flash_attn_available(device):
+    if implementation == "flash_attention_2":  # the model computes in bf16/fp16 (models.loading.choose_attention)
         attention_kwargs["packed_varlen"] = varlen_layout(packed.segments, device)
     # A 4-D mask is passed through by transformers untouched and ignored by packed attention (with none,
     # transformers would build an [N, N] block mask that nothing reads). It is empty so that a layer which
@@ -214,19 +223,21 @@ def _completion_hidden(model, batch: dict, original: dict, *, share_prompts: boo
     try:
         unique_rows, prompt_index = prompt_groups(input_ids, batch["attention_mask"], prompt_len)
         shared = share_prompts and len(unique_rows) < batch_size
-        if packed:
+        # transformers checkpoints layers only in train mode with gradients on.
+        checkpointing = getattr(model, "is_gradient_checkpointing", False) and model.training and torch.is_grad_enabled()
+        # Gradient checkpointing drops the KV cache inside transformers' checkpointed layers, so the shared-prompt
+        # pass cannot run under it; the packed pass shares prompts without a cache and is recomputed packed.
+        if packed or (shared and checkpointing and unpackable(model) is None):
             return _packed_hidden(model, original, prompt_index if shared else None, captured)
         # On CPU, transformers' sdpa copies every key/value head num_key_value_groups times whenever a mask is
         # passed (and its backward sums the copies back); torch's kernel takes grouped-query attention natively
         # (models.attention). SmolLM2-135M, 4 prompts x G=4 x 64 tokens, forward+backward: 5.99 s -> 5.71 s,
         # the same logprobs. The graph records the function, so the backward needs no switch; gradient
         # checkpointing's recomputation would run outside the switch, so it keeps the model's own function.
-        checkpointing = getattr(model, "is_gradient_checkpointing", False)
         native = (getattr(model.config, "_attn_implementation", None) == "sdpa" and input_ids.device.type == "cpu"
                   and not checkpointing)
         with attention_implementation(model, SDPA_NATIVE_GQA if native else None):
-            # Gradient checkpointing drops the KV cache inside transformers' checkpointed layers, so it takes
-            # the plain pass.
+            # Gradient checkpointing drops the KV cache inside transformers' checkpointed layers (see above).
             if shared and completion_len > 0 and not checkpointing:
                 hidden = _shared_prompt_hidden(model, batch, prompt_len, unique_rows, prompt_index, captured)
             else:
@@ -259,7 +270,8 @@ def completion_logprobs(
     Differentiable with respect to the model's parameters, for a plain HF model and an FSDP2-sharded one.
     share_prompts: when rows repeat a prompt (GRPO's G completions per prompt), run each distinct prompt once
            and the completions on its KV cache (`_shared_prompt_hidden`): the same values up to float
-           rounding, with a forward over U*Lp + B*T tokens instead of B*(Lp+T).
+           rounding, with a forward over U*Lp + B*T tokens instead of B*(Lp+T). Under gradient checkpointing
+           (which drops that cache) the packed pass shares them instead, where the model can pack.
     packed: run the micro-batch as one padding-free packed row (models.packing): each distinct prompt once
            (with share_prompts) and every completion at its own length, U*Lp + sum(T_b) tokens. The same values
            up to float rounding; also under gradient checkpointing.

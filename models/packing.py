@@ -9,9 +9,10 @@ padded B*(Lp+T). A prompt that no other row shares is packed with its completion
 The last token of a completion is only a label (nothing is predicted from it), so it is not packed.
 
 Segments are (start, end, prefix_start, prefix_end) in packed positions: queries [start, end) attend to keys
-[prefix_start, prefix_end) in full and causally to [start, end). Kernels: on CPU (and wherever flash-attn is
-missing) one torch sdpa call per segment; on CUDA with flash-attn, one flash_attn_varlen_func call over keys
-gathered per segment (its causal mask is aligned bottom-right when a segment has more keys than queries).
+[prefix_start, prefix_end) in full and causally to [start, end). Kernels: one torch sdpa call per segment; for
+a model loaded with flash_attention_2 (CUDA, bf16/fp16: models.loading.choose_attention), one
+flash_attn_varlen_func call over keys gathered per segment (its causal mask is aligned bottom-right when a
+segment has more keys than queries).
 """
 from __future__ import annotations
 
@@ -207,14 +208,3 @@ def install_packed_dispatch() -> None:
         function = AttentionInterface._global_mapping.get(name)
         if function is not None and not hasattr(function, "packed_dispatch_of"):
             AttentionInterface.register(name, _dispatching(function))
-
-
-def flash_attn_available(device: torch.device) -> bool:
-    """flash-attn is used on CUDA when it imports (it is never installed on the CPU machines)."""
-    if device.type != "cuda":
-        return False
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True

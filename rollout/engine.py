@@ -68,9 +68,38 @@ class Engine(Protocol):
         """Free generation memory (weights and KV cache) until `wake`; a no-op where the backend cannot."""
         ...
 
-    def wake(self) -> None:
-        """Restore what `sleep` freed; a no-op where the backend cannot sleep."""
+    def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        """Restore `tags` of what `sleep` freed ("weights" before a sync, "kv_cache" after it); a no-op where
+        the backend cannot sleep."""
         ...
+
+    def close(self) -> None:
+        """Release the engine at the end of a run."""
+        ...
+
+
+SEED_BITS = 63  # seeds are non-negative int64 (torch.Generator.manual_seed and vLLM both take them)
+CHILD_BITS = 16  # the low bits vLLM adds a completion's index to (prompt_seed)
+
+
+def stream_seed(*parts: int) -> int:
+    """A seed for a random stream named by integers, e.g. (run seed, step, replica, round): a hash, so that
+    streams of different names are unrelated (no name is another shifted by one, as seed + step would make
+    them) and collide with probability 2^-63 per pair.
+
+    >>> stream_seed(0, 1) == stream_seed(0, 1) != stream_seed(1, 0)
+    True
+    """
+    import hashlib
+    digest = hashlib.blake2b(b",".join(str(int(part)).encode() for part in parts), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> (64 - SEED_BITS)
+
+
+def prompt_seed(seed: int, prompt_index: int) -> int:
+    """The seed of prompt `prompt_index` in a request seeded `seed`, for engines that give the i-th of a
+    prompt's n completions the seed + i (vLLM): a fresh stream per prompt with its low CHILD_BITS bits zero,
+    so the n <= 2^16 children of two prompts (or of two calls) never share a seed."""
+    return (stream_seed(seed, prompt_index) >> CHILD_BITS) << CHILD_BITS
 
 
 def validate_request(
@@ -104,8 +133,10 @@ def validate_request(
         raise ValueError(f"top_p must lie in (0, 1] (1 keeps the whole vocabulary), got {top_p!r}")
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
         raise ValueError(f"top_k must be an integer >= 0 (0 keeps the whole vocabulary), got {top_k!r}")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
-        raise ValueError(f"seed must be None or an integer >= 0, got {seed!r}")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**SEED_BITS):
+        raise ValueError(f"seed must be None or an integer >= 0, got {seed!r} (and below 2^{SEED_BITS})")
+    if n > 2**CHILD_BITS:
+        raise ValueError(f"n (completions per prompt) must be at most {2**CHILD_BITS}, got {n}")
     if isinstance(stop, str):
         raise ValueError(f"stop must be a list of strings, not a single string: use [{stop!r}]")
     stop_strings = list(stop or [])

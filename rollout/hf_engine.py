@@ -266,8 +266,11 @@ class HFEngine:
     def sleep(self) -> None:
         """No-op: a transformers model has no separate generation memory to free between rollouts."""
 
-    def wake(self) -> None:
+    def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
         """No-op (see `sleep`)."""
+
+    def close(self) -> None:
+        """Nothing to release: the model is the caller's (or garbage once the engine goes)."""
 
 
 # Vocabulary rows per slice of the output projection during decoding. One [16, 576] x [576, 49,152] product

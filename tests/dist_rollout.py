@@ -52,9 +52,12 @@ def sgd_step(model, completions, learning_rate: float = 3e-3) -> None:
 def build_engines(names: list[str], model_dir: Path, tokenizer) -> dict:
     engines = {}
     if "vllm" in names:
-        from rollout.vllm_engine import VLLMEngine
+        import torch.distributed as dist
 
-        engines["vllm"] = VLLMEngine(model_dir, max_model_len=512)  # seed defaults to rank // tp = rank
+        from launch.engines import vllm_engine
+
+        engines["vllm"] = vllm_engine(model_dir, "rollout.max_model_len=512", world_size=dist.get_world_size(),
+                                      dp_rank=dist.get_rank())  # each rank its own replica
     if "hf" in names:
         from rollout.hf_engine import HFEngine
 

@@ -39,7 +39,7 @@ def stall_sync_at(call: int) -> None:
     """Make the run's weight sync (whatever launch.build builds for the engine) hang forever on its call-th call."""
     import launch.build as build
 
-    original, calls = build._build_engine, [0]
+    original, calls = build.build_engine, [0]
 
     def build_engine(*args, **kwargs):
         engine, sync = original(*args, **kwargs)
@@ -53,7 +53,7 @@ def stall_sync_at(call: int) -> None:
 
         return engine, stalling_sync
 
-    build._build_engine = build_engine
+    build.build_engine = build_engine
 
 
 def file_size_limit_after_saves(saves: int, limit_bytes: int) -> None:

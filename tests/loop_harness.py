@@ -34,7 +34,10 @@ class ScriptedEngine:
     def sleep(self):
         pass
 
-    def wake(self):
+    def wake(self, tags=("weights", "kv_cache")):
+        pass
+
+    def close(self):
         pass
 
 

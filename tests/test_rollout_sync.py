@@ -19,6 +19,9 @@ class RecordingEngine:
     def update_weights(self, named_tensors):
         self.calls.append([(name, tuple(t.shape), tensor_bytes(t)) for name, t in named_tensors])
 
+    def wake(self, tags):
+        pass
+
 
 def test_weight_group_names_the_decoder_layer_or_module():
     assert weight_group("model.layers.0.self_attn.q_proj.weight") == "model.layers.0."

@@ -1,0 +1,182 @@
+"""What a run gets on a target machine, decided by pure functions of the config and the target (device, world
+size, flash-attn): the precision of the policy, the reference and the engine, the attention implementation,
+the keyword arguments vLLM is built with, the order of one step's engine calls, and which ranks share prompts
+and seeds. `launch.train --dry-run --device cuda --world-size 8` prints them (`run_plan`); launch/build.py builds
+from the same functions, so the printed plan is what runs. Nothing here loads a model or touches a device.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from grpo.config import Config
+from launch.config import ConfigError
+from models.loading import choose_attention
+from rollout.vllm_engine import SLEEP_LEVEL
+
+# vLLM's engine calls for one RL step, colocated on GPUs (vLLM's documented order for weight updates): level 2
+# sleep drops weights and KV cache (the sync overwrites every weight, so nothing is copied to host and back);
+# the weights come back first, the sync fills them, the trainer's cached blocks and the gathered buckets are
+# released, and only then does the KV cache return.
+CUDA_VLLM_CYCLE = ("generate", f"sleep(level={SLEEP_LEVEL})", "train", "wake_up(tags=['weights'])", "update_weights",
+                   "reset_prefix_cache", "empty_cache", "wake_up(tags=['kv_cache'])")
+CPU_VLLM_CYCLE = ("generate", "train", "update_weights", "reset_prefix_cache")  # no sleep mode off CUDA
+
+
+@dataclass(frozen=True)
+class Target:
+    """The machine a plan is for: device type ("cpu" or "cuda"), torchrun world size, and whether flash-attn
+    imports there (a CUDA node with the `gpu` extra installed has it)."""
+    device: str = "cpu"
+    world_size: int = 1
+    flash_attn: bool = False
+
+    @classmethod
+    def here(cls, world_size: int = 1) -> Target:
+        cuda = torch.cuda.is_available()
+        return cls("cuda" if cuda else "cpu", world_size, cuda and importlib.util.find_spec("flash_attn") is not None)
+
+
+def tp_size(cfg: Config) -> int:
+    """Ranks per engine replica: vLLM's tensor parallelism; the transformers engine is one rank."""
+    return cfg.rollout.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1
+
+
+def tp_groups(world_size: int, tensor_parallel_size: int) -> list[list[int]]:
+    """Consecutive ranks per replica (vLLM's external launcher groups them so): [[0, 1], [2, 3], ...] at TP 2.
+
+    The ranks of a group submit identical requests (the same prompts, the same seeds) and get the same
+    completions; each of them then trains on its own share of the groups.
+    """
+    return [list(range(start, start + tensor_parallel_size)) for start in range(0, world_size, tensor_parallel_size)]
+
+
+def model_len(cfg: Config) -> int:
+    """vLLM's max_model_len: rollout.max_model_len, else the longest prompt allowed plus the longest completion
+    the run asks for (training or held-out)."""
+    if cfg.rollout.max_model_len is not None:
+        return cfg.rollout.max_model_len
+    return cfg.data.max_prompt_tokens + _longest_completion(cfg)
+
+
+def _longest_completion(cfg: Config) -> int:
+    return max(cfg.rollout.max_new_tokens, cfg.trainer.eval_max_new_tokens)
+
+
+def precision(cfg: Config, target: Target) -> dict:
+    """The dtypes of every path. The policy keeps its master weights in model.dtype and computes in
+    model.param_dtype (FSDP2's MixedPrecisionPolicy under torchrun; torch.autocast in one process), gradients
+    reduced and accumulated in float32. A frozen reference needs no master copy: it is stored and computed in
+    the compute dtype. The logits that feed logprobs are float32 on every path."""
+    compute, mechanism = cfg.model.param_dtype, "none"
+    if target.world_size > 1:
+        mechanism = "FSDP2 MixedPrecisionPolicy"
+    elif compute != cfg.model.dtype:
+        mechanism = "torch.autocast"
+    policy = {"param": cfg.model.dtype, "compute": compute, "reduce": "float32", "mechanism": mechanism}
+    reference = None
+    if cfg.stage == "rl" and cfg.algorithm.kl_coef > 0:
+        reference = (dict(policy, shares="the policy with its LoRA adapters disabled") if cfg.model.lora.enabled
+                     else {"param": compute, "compute": compute, "reduce": None, "mechanism": "none"})
+    return {"policy": policy, "reference": reference, "logits": "float32", "engine": compute}
+
+
+def attention(cfg: Config, target: Target) -> str:
+    """The attention implementation the trainer's model loads with (models.loading.choose_attention)."""
+    return choose_attention(cfg.model.attn_implementation, target.device, cfg.model.param_dtype, target.flash_attn)
+
+
+def enforce_eager(cfg: Config, target: Target) -> bool:
+    return cfg.rollout.enforce_eager if cfg.rollout.enforce_eager is not None else target.device != "cuda"
+
+
+def vllm_arguments(cfg: Config, target: Target, model_path: str = "<model directory>", dp_rank: int = 0) -> dict:
+    """The keyword arguments of vllm.LLM on a rank of data-parallel group dp_rank (rollout.vllm_engine adds
+    nothing to them). On GPUs the KV cache is sized by gpu_memory_utilization (a byte cap would override
+    it); on CPU it is bounded in bytes, since vLLM would otherwise reserve most of the machine's memory."""
+    cuda = target.device == "cuda"
+    arguments = dict(
+        model=model_path, dtype=cfg.model.param_dtype, max_model_len=model_len(cfg), seed=dp_rank,
+        tensor_parallel_size=tp_size(cfg), enforce_eager=enforce_eager(cfg, target), enable_prefix_caching=True,
+        max_num_batched_tokens=max(4096, model_len(cfg)), logprobs_mode="processed_logprobs",
+        generation_config="vllm",  # never take sampling defaults from the model's generation_config.json
+        enable_sleep_mode=cuda,  # a CUDA allocator feature
+    )
+    if target.world_size > 1:
+        arguments["distributed_executor_backend"] = "external_launcher"
+    if cuda:
+        arguments["gpu_memory_utilization"] = cfg.rollout.vllm_gpu_memory_utilization
+    else:
+        arguments["kv_cache_memory_bytes"] = cfg.rollout.vllm_kv_cache_mb << 20
+    return arguments
+
+
+def engine_cycle(cfg: Config, target: Target) -> list[str]:
+    """One RL step's engine calls in order ("train" is the trainer's logprob passes and update)."""
+    if cfg.rollout.engine == "vllm":
+        return list(CUDA_VLLM_CYCLE if target.device == "cuda" else CPU_VLLM_CYCLE)
+    if own_engine_copy(cfg, target):
+        return ["generate", "train", "update_weights"]
+    return ["generate", "train"]  # the engine generates with the policy module itself
+
+
+def own_engine_copy(cfg: Config, target: Target) -> bool:
+    """Whether the transformers engine needs a model of its own (synced after every update) rather than the
+    policy module: under FSDP2 (a sharded forward is a collective, and ranks stop generating at different
+    steps), or when the engine computes in another dtype than the policy's master weights (bf16 sampling,
+    as vLLM does, beside fp32 master weights)."""
+    return target.world_size > 1 or cfg.model.param_dtype != cfg.model.dtype
+
+
+def check_plan(cfg: Config, target: Target) -> None:
+    """What the target cannot run, refused naming the key, the value and what would fit."""
+    tp, world = tp_size(cfg), target.world_size
+    if cfg.rollout.tensor_parallel_size > 1 and cfg.rollout.engine != "vllm":
+        raise ConfigError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} needs rollout.engine=vllm "
+                          f"(the transformers engine runs on one rank)")
+    if world % tp:
+        raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the world size {world}: every rank "
+                          f"must belong to one replica")
+    if target.device == "cpu" and tp > 1:
+        raise ConfigError(f"rollout.tensor_parallel_size={tp}: vLLM's CPU backend here runs one rank per replica")
+    needed = cfg.data.max_prompt_tokens + _longest_completion(cfg)
+    if cfg.rollout.engine == "vllm" and cfg.rollout.max_model_len is not None and cfg.rollout.max_model_len < needed:
+        raise ConfigError(f"rollout.max_model_len={cfg.rollout.max_model_len} cannot hold the longest prompt allowed "
+                          f"(data.max_prompt_tokens={cfg.data.max_prompt_tokens}) plus {_longest_completion(cfg)} new "
+                          f"tokens: {needed} would fit (or null to size it so)")
+    implementation = cfg.model.attn_implementation
+    if implementation == "flash_attention_2":
+        if target.device != "cuda" or not target.flash_attn:
+            raise ConfigError(f"model.attn_implementation=flash_attention_2 needs CUDA with flash-attn installed "
+                              f"(target: {target.device}, flash-attn {'present' if target.flash_attn else 'missing'}); "
+                              f"use auto or sdpa")
+        if cfg.model.param_dtype not in ("bfloat16", "float16"):
+            raise ConfigError(f"model.attn_implementation=flash_attention_2 computes in bf16/fp16 only, but "
+                              f"model.param_dtype={cfg.model.param_dtype}; set model.param_dtype=bfloat16 or use sdpa")
+
+
+def logprob_pass(cfg: Config, target: Target) -> str:
+    """How the trainer's logprob passes run the model (models.logprobs.completion_logprobs): packed, or each
+    distinct prompt once with the completions on its KV cache; under gradient checkpointing (which drops that
+    cache) the packed pass shares the prompts."""
+    if cfg.model.packed_logprobs:
+        return "packed"
+    if cfg.model.gradient_checkpointing and attention(cfg, target) != "eager":
+        return "update: packed, prompts shared (gradient checkpointing drops the KV cache); no-grad: shared prompts"
+    return "shared prompts"
+
+
+def run_plan(cfg: Config, target: Target, model_path: str = "<model directory>") -> dict:
+    """The whole plan as one JSON-able object (what --dry-run prints); checked first (check_plan)."""
+    check_plan(cfg, target)
+    tp = tp_size(cfg)
+    plan = {"target": {"device": target.device, "world_size": target.world_size, "flash_attn": target.flash_attn},
+            "precision": precision(cfg, target), "attention": attention(cfg, target),
+            "logprob_pass": logprob_pass(cfg, target),
+            "engine": cfg.rollout.engine, "engine_cycle": engine_cycle(cfg, target),
+            "tp_groups": tp_groups(target.world_size, tp), "vllm": None}
+    if cfg.rollout.engine == "vllm":
+        plan["vllm"] = vllm_arguments(cfg, target, model_path)
+    return plan

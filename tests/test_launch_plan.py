@@ -1,0 +1,201 @@
+"""What a CUDA node gets, tested without one: the plan (launch/plan.py) of every shipped recipe at world sizes 1, 2
+and 8 (and tensor parallelism 2 where a recipe uses vLLM) is pinned in tests/golden/plans.json, the veriseek recipe's
+GPU plan is checked line by line, --dry-run prints the plan, the run builds from the same functions, and what a
+target cannot run is refused naming the key.
+
+Regenerate the golden file after an intended change: NANOGRPO_WRITE_GOLDEN=1 pytest tests/test_launch_plan.py
+(then read its diff: every changed line is a change of what users' GPUs will run).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from launch.config import ConfigError, load_config
+from launch.plan import CUDA_VLLM_CYCLE, Target, check_plan, run_plan, tp_groups
+
+CONFIGS = Path(__file__).resolve().parents[1] / "launch" / "configs"
+GOLDEN = Path(__file__).resolve().parent / "golden" / "plans.json"
+RECIPES = sorted(path.stem for path in CONFIGS.glob("*.yaml"))
+
+
+def _targets(cfg):
+    """(name, target, overrides) of every plan pinned for a recipe."""
+    out = [("cpu:1", Target("cpu", 1, False), [])]
+    for world in (1, 2, 8):
+        out.append((f"cuda:{world}", Target("cuda", world, True), []))
+    if cfg.rollout.engine == "vllm":
+        out += [(f"cuda:{world}:tp2", Target("cuda", world, True), ["rollout.tensor_parallel_size=2"]) for world in (2, 8)]
+    return out
+
+
+def all_plans() -> dict:
+    plans = {}
+    for recipe in RECIPES:
+        for name, target, overrides in _targets(load_config(CONFIGS / f"{recipe}.yaml")):
+            cfg = load_config(CONFIGS / f"{recipe}.yaml", overrides)
+            plans[f"{recipe}@{name}"] = run_plan(cfg, target)
+    return plans
+
+
+def test_every_recipe_plan_is_pinned():
+    plans = all_plans()
+    if os.environ.get("NANOGRPO_WRITE_GOLDEN"):
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps(plans, indent=1, sort_keys=True) + "\n")
+    golden = json.loads(GOLDEN.read_text())
+    assert sorted(plans) == sorted(golden)
+    for key in plans:
+        assert plans[key] == golden[key], key
+
+
+def test_veriseek_on_two_gpus_gets_the_gpu_plan():
+    plan = run_plan(load_config(CONFIGS / "veriseek_grpo.yaml"), Target("cuda", 2, True))
+    vllm = plan["vllm"]
+    # The KV cache is sized by gpu_memory_utilization: a byte cap would override it (vLLM 0.32) and 256 MiB
+    # cannot hold one 2,176-token sequence of Qwen3-4B (144 KiB per token).
+    assert "kv_cache_memory_bytes" not in vllm and vllm["gpu_memory_utilization"] == 0.4
+    assert vllm["max_model_len"] >= 1664 + 512 and vllm["enforce_eager"] is False  # CUDA graphs on
+    assert vllm["enable_sleep_mode"] and vllm["distributed_executor_backend"] == "external_launcher"
+    assert vllm["dtype"] == "bfloat16" and vllm["logprobs_mode"] == "processed_logprobs"
+    cycle = plan["engine_cycle"]
+    assert cycle == list(CUDA_VLLM_CYCLE) and "sleep(level=2)" in cycle
+    # The weights come back and are overwritten before the KV cache returns.
+    assert cycle.index("wake_up(tags=['weights'])") < cycle.index("update_weights") < cycle.index("empty_cache") \
+        < cycle.index("wake_up(tags=['kv_cache'])")
+    policy, reference = plan["precision"]["policy"], plan["precision"]["reference"]
+    assert (policy["param"], policy["compute"], policy["reduce"]) == ("float32", "bfloat16", "float32")
+    assert (reference["param"], reference["compute"]) == ("bfloat16", "bfloat16")  # frozen: no master copy
+    assert plan["precision"]["logits"] == "float32" and plan["attention"] == "flash_attention_2"
+    assert plan["logprob_pass"].startswith("update: packed, prompts shared")  # gradient checkpointing is on
+    assert plan["tp_groups"] == [[0], [1]]
+
+
+def test_fp32_never_meets_flash_attention():
+    # flash-attn refuses fp32: "auto" picks it only where the model computes in bf16/fp16.
+    fp32 = load_config(None, ["model.param_dtype=float32"])
+    assert run_plan(fp32, Target("cuda", 1, True))["attention"] == "sdpa"
+    bf16 = load_config(None, ["model.param_dtype=bfloat16"])
+    assert run_plan(bf16, Target("cuda", 1, True))["attention"] == "flash_attention_2"
+    assert run_plan(bf16, Target("cuda", 1, False))["attention"] == "sdpa"
+    assert run_plan(bf16, Target("cpu", 1, False))["attention"] == "sdpa"
+    with pytest.raises(ConfigError, match=r"model\.attn_implementation=flash_attention_2 computes in bf16/fp16 only, "
+                                          r"but model\.param_dtype=float32"):
+        check_plan(load_config(None, ["model.attn_implementation=flash_attention_2"]), Target("cuda", 1, True))
+    with pytest.raises(ConfigError, match=r"flash_attention_2 needs CUDA with flash-attn installed \(target: cpu"):
+        check_plan(load_config(None, ["model.attn_implementation=flash_attention_2", "model.param_dtype=bfloat16"]),
+                   Target("cpu", 1, False))
+
+
+def test_one_process_bf16_is_the_same_policy_by_autocast():
+    cfg = load_config(None, ["model.param_dtype=bfloat16", "algorithm.kl_coef=0.01"])
+    one, fsdp = run_plan(cfg, Target("cpu", 1)), run_plan(cfg, Target("cpu", 2))
+    assert one["precision"]["policy"]["mechanism"] == "torch.autocast"
+    assert fsdp["precision"]["policy"]["mechanism"] == "FSDP2 MixedPrecisionPolicy"
+    for plan in (one, fsdp):
+        policy = plan["precision"]["policy"]
+        assert (policy["param"], policy["compute"], policy["reduce"]) == ("float32", "bfloat16", "float32")
+        assert plan["precision"]["reference"]["param"] == "bfloat16" and plan["precision"]["engine"] == "bfloat16"
+        # The transformers engine samples from its own bf16 copy, synced after every update, as vLLM would.
+        assert plan["engine_cycle"] == ["generate", "train", "update_weights"]
+
+
+def test_tensor_parallel_groups_and_their_refusals():
+    assert tp_groups(8, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]] and tp_groups(2, 1) == [[0], [1]]
+    tp = load_config(None, ["rollout.engine=vllm", "rollout.tensor_parallel_size=2"])
+    assert run_plan(tp, Target("cuda", 8, True))["vllm"]["tensor_parallel_size"] == 2
+    with pytest.raises(ConfigError, match=r"rollout\.tensor_parallel_size=2 does not divide the world size 3"):
+        check_plan(tp, Target("cuda", 3, True))
+    with pytest.raises(ConfigError, match=r"rollout\.tensor_parallel_size=2 needs rollout\.engine=vllm"):
+        check_plan(load_config(None, ["rollout.tensor_parallel_size=2"]), Target("cuda", 2, True))
+
+
+def test_a_context_that_cannot_hold_a_prompt_and_its_response_is_refused():
+    cfg = load_config(None, ["rollout.engine=vllm", "data.max_prompt_tokens=1664", "rollout.max_new_tokens=512",
+                             "rollout.max_model_len=2048"])
+    with pytest.raises(ConfigError, match=r"rollout\.max_model_len=2048 cannot hold the longest prompt allowed "
+                                          r"\(data\.max_prompt_tokens=1664\) plus 512 new tokens: 2176 would fit"):
+        check_plan(cfg, Target("cuda", 2, True))
+    # Held-out completions may be longer than training ones: the context holds those too.
+    cfg = load_config(None, ["rollout.engine=vllm", "data.max_prompt_tokens=100", "rollout.max_new_tokens=50",
+                             "trainer.eval_max_new_tokens=300"])
+    assert run_plan(cfg, Target("cuda", 1, True))["vllm"]["max_model_len"] == 400
+    cpu = run_plan(cfg, Target("cpu", 1))["vllm"]
+    assert cpu["kv_cache_memory_bytes"] == 256 << 20 and cpu["enforce_eager"] is True and not cpu["enable_sleep_mode"]
+
+
+def test_dry_run_prints_the_plan_for_a_target_as_the_last_line(capsys):
+    from launch.train import main
+    recipe = str(CONFIGS / "veriseek_grpo.yaml")
+    # The recipe's data and model are the GPU node's: for another target only its settings are checked.
+    assert main(["--config", recipe, "--dry-run", "--device", "cuda", "--world-size", "8"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    plan = json.loads(out[-1])
+    assert plan == run_plan(load_config(recipe), Target("cuda", 8, True), "Qwen/Qwen3-4B-Thinking-2507")
+    assert set(plan) >= {"vllm", "precision", "attention", "engine_cycle", "tp_groups"}
+    assert plan["vllm"]["model"] == "Qwen/Qwen3-4B-Thinking-2507" and len(plan["tp_groups"]) == 8
+    assert main(["--config", recipe, "--dry-run", "--device", "cuda", "--world-size", "3",
+                 "rollout.tensor_parallel_size=2"]) == 2
+    assert "rollout.tensor_parallel_size=2 does not divide the world size 3" in capsys.readouterr().err
+
+
+def test_the_run_builds_what_the_plan_says(tmp_path, tiny_model_dir):
+    """One process on this CPU with bf16 compute and a KL reference: the policy's products run in bf16 over
+    fp32 master weights, the reference is stored in bf16, the engine owns a bf16 copy, attention as planned."""
+    import torch
+
+    from launch.build import build
+    from launch.dist import DistInfo
+    from launch.plan import attention
+    from test_loop_semantics import REWARD, _rows
+    cfg = load_config(None, [f"model.name_or_path={tiny_model_dir}", f"data.train_files=['{_rows(tmp_path)}']",
+                             f"reward.functions={{{REWARD}: 'rewards_for_tests:vowel_fraction'}}",
+                             "model.param_dtype=bfloat16", "algorithm.kl_coef=0.01", "rollout.max_new_tokens=4",
+                             f"trainer.out_dir={tmp_path / 'runs'}"])
+    built = build(cfg, DistInfo())
+    try:
+        policy, engine = built.parts.policy.model, built.engine
+        assert all(p.dtype == torch.float32 for p in policy.parameters())  # master weights
+        outputs = []
+        layer = policy.model.layers[0].self_attn.q_proj
+        handle = layer.register_forward_hook(lambda module, args, output: outputs.append(output.dtype))
+        policy(input_ids=torch.tensor([[1, 2, 3]]))
+        handle.remove()
+        assert outputs == [torch.bfloat16]  # products in the compute dtype
+        assert all(p.dtype == torch.bfloat16 for p in built.parts.reference_logprobs.model.parameters())
+        assert not engine.shared and engine.model.dtype == torch.bfloat16
+        assert policy.config._attn_implementation == attention(cfg, Target.here()) == "sdpa"
+    finally:
+        built.close()
+
+
+def test_an_older_torch_or_vllm_is_refused_naming_both_versions():
+    import importlib.util
+
+    from launch.preflight import check_versions
+    cfg = load_config(None, ["rollout.engine=vllm"])
+    with pytest.raises(ConfigError, match=r"torch 2\.6\.0\+cu124 is installed; this trainer needs torch >= 2\.8"):
+        check_versions(cfg, torch_version="2.6.0+cu124", vllm_version="0.32.0")
+    with pytest.raises(ConfigError, match=r"rollout\.engine=vllm: vLLM 0\.10\.1 is installed; this engine needs "
+                                          r"vLLM >= 0\.32"):
+        check_versions(cfg, torch_version="2.13.0", vllm_version="0.10.1")
+    check_versions(load_config(None, []), torch_version="2.8.0")  # the transformers engine needs no vLLM
+    if importlib.util.find_spec("vllm") is not None:
+        check_versions(cfg)  # what `make test` installs passes
+
+
+def test_a_bf16_run_trains_with_truncated_is_correcting_a_real_mismatch(tmp_path, tiny_model_dir):
+    # This CPU as the GPU's stand-in: fp32 master weights, bf16 products (autocast), the engine sampling from its
+    # own bf16 copy. The engine/trainer gap is now real (bf16 vs bf16-from-fp32, other kernels), and truncated IS
+    # weighs each token by min(exp(old - rollout), 2).
+    from test_loop_semantics import _run_metrics
+    metrics = _run_metrics(tmp_path, tiny_model_dir, "model.param_dtype=bfloat16", "algorithm.tis_cap=2.0")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        assert 1e-4 < m["logprob_gap"] < 0.5, m["logprob_gap"]  # fp32 vs fp32 is ~2e-7 (test_loop_semantics)
+        assert 0.5 < m["tis_weight_mean"] < 2.0 and 0.0 <= m["tis_clip_frac"] < 0.5
+        assert m["sync/buckets"] >= 1 and m["grad_norm"] > 0
