@@ -11,8 +11,11 @@
 #                         logprob pass (chunked vs naive at V = 151,936)
 #   bench/gpu_rollout.py  transformers-engine rollout tokens/s; with vLLM installed, vLLM rollout tokens/s
 #                         and the weight-sync time from the FSDP2 policy into vLLM
-# Environment: PYTHON (default: .venv/bin/python if present, else python3), TRAIN_LIMIT_S (170),
-# ROLLOUT_LIMIT_S (280).
+#   bench/gpu_rl.py       three RL steps of launch.train (bf16 compute, fp32 master weights, truncated IS) on a
+#                         Qwen3-0.6B-shaped model: one process, then torchrun with one rank (NCCL), then with
+#                         the vLLM engine where vLLM imports
+# Environment: PYTHON (default: .venv/bin/python if present, else python3), TRAIN_LIMIT_S (130),
+# ROLLOUT_LIMIT_S (150), RL_LIMIT_S (190): 7 min 50 s in all at most.
 set -u
 cd "$(dirname "$0")/.."
 
@@ -64,7 +67,9 @@ run_part() {  # name limit_seconds args...
   fi
 }
 
-run_part train "${TRAIN_LIMIT_S:-170}" --peak-tflops "$PEAK"
-run_part rollout "${ROLLOUT_LIMIT_S:-280}" ${NO_VLLM[@]+"${NO_VLLM[@]}"}
-"$PYTHON" -m bench.gpu_common merge "$PARTS/train.json" "$PARTS/rollout.json" --out "$OUT"
+RL_LIMIT=${RL_LIMIT_S:-190}
+run_part train "${TRAIN_LIMIT_S:-130}" --peak-tflops "$PEAK"
+run_part rollout "${ROLLOUT_LIMIT_S:-150}" ${NO_VLLM[@]+"${NO_VLLM[@]}"}
+run_part rl "$RL_LIMIT" --run-limit-s $(( (RL_LIMIT - 10) / 3 )) ${NO_VLLM[@]+"${NO_VLLM[@]}"}
+"$PYTHON" -m bench.gpu_common merge "$PARTS/train.json" "$PARTS/rollout.json" "$PARTS/rl.json" --out "$OUT"
 echo "total $(( $(date +%s) - STARTED )) s"

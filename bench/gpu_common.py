@@ -45,9 +45,10 @@ def build_model(tiny: bool, device: torch.device, dtype: torch.dtype, attn_imple
 
 
 def attention(device: torch.device) -> tuple[str, str | None]:
-    """(implementation, note): flash_attention_2 on CUDA when flash-attn imports, else sdpa (models.loading)."""
+    """(implementation, note): flash_attention_2 on CUDA (bf16 compute) when flash-attn imports, else sdpa
+    (models.loading.choose_attention)."""
     from models.loading import resolve_attn_implementation
-    implementation = resolve_attn_implementation("auto", device)
+    implementation = resolve_attn_implementation("auto", device, "bfloat16" if device.type == "cuda" else "float32")
     note = None if implementation == "flash_attention_2" or device.type != "cuda" else \
         "flash-attn is not importable: attention runs on sdpa"
     return implementation, note

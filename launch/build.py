@@ -98,7 +98,7 @@ def _load(cfg: Config, dist, source: str | None, key: str, load: dict, *, gradie
     so a node never holds a full copy per rank (8 ranks x 8B in fp32 would be 256 GB of host memory)."""
     from models import load_model
     try:
-        if dist.world_size > 1:
+        if dist.sharded:
             from models.fsdp import load_sharded_model
             return load_sharded_model(source, dist.mesh, param_dtype=getattr(torch, cfg.model.param_dtype),
                                       device=dist.device, attn_implementation=load["attn_implementation"],
@@ -132,7 +132,7 @@ def _policy(cfg: Config, dist, source: str | None, key: str, load: dict, tokeniz
     model = _load(cfg, dist, source, key, load, gradient_checkpointing=cfg.model.gradient_checkpointing,
                   prepare=prepare)
     compute = getattr(torch, cfg.model.param_dtype)
-    if dist.world_size == 1:
+    if not dist.sharded:
         compute_in(model, compute)  # fp32 master weights, bf16 products (FSDP2 does this under torchrun)
     model.train()  # gradient checkpointing and dropout only act in train mode; engines restore it after generate
     vocab_size = sampleable_vocab_size(model, tokenizer)
@@ -174,7 +174,7 @@ def _assemble(cfg: Config, dist, prepared: Prepared, stop_requested: Callable[[]
     torch.manual_seed(cfg.seed)
     if cfg.trainer.keep_freed_memory and dist.device.type == "cpu":
         keep_freed_memory()
-    target = Target.here(dist.world_size)
+    target = Target.here(dist.world_size, torchrun=dist.sharded)
     load = dict(dtype=getattr(torch, cfg.model.dtype), device=dist.device, attn_implementation=attention(cfg, target),
                 trust_remote_code=cfg.model.trust_remote_code)
     policy, reference, vocab_size = _policy(cfg, dist, source, prepared.source_key, load, tokenizer)

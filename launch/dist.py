@@ -36,6 +36,11 @@ class DistInfo:
         return self.rank == 0
 
     @property
+    def sharded(self) -> bool:
+        """Under torchrun (a process group and its mesh, even of one rank): the policy is sharded with FSDP2."""
+        return self.mesh is not None
+
+    @property
     def dp_rank(self) -> int:
         """The replica (data-parallel group of the rollout) this rank belongs to."""
         return self.rank // self.tp_size
@@ -84,8 +89,9 @@ def process_group_options(device: torch.device, *, blocking_wait: bool = True) -
 
 
 def init_distributed(timeout_s: float = 1800.0, *, nccl_blocking_wait: bool = True) -> DistInfo:
-    """One process, or the torchrun world (nccl on CUDA, gloo on CPU: process_group_options). Call once, before
-    building vLLM.
+    """One process, or the torchrun world (nccl on CUDA, gloo on CPU: process_group_options), of any size: under
+    torchrun even one rank gets its process group and FSDP2 (`torchrun --nproc_per_node=1` runs the multi-GPU
+    code path on one GPU). Call once, before building vLLM.
 
     timeout_s (trainer.collective_timeout_s): how long a collective waits for the other ranks before it raises,
     so a rank that died or stopped answering ends the run with an error instead of a hang."""
@@ -95,7 +101,7 @@ def init_distributed(timeout_s: float = 1800.0, *, nccl_blocking_wait: bool = Tr
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if world_size == 1:
+    if world_size == 1 and not under_torchrun():
         return DistInfo(device=device)
     if not torch_dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -120,14 +126,19 @@ def init_distributed(timeout_s: float = 1800.0, *, nccl_blocking_wait: bool = Tr
                     all_reduce_max=_all_reduce(torch_dist.ReduceOp.MAX))
 
 
+def under_torchrun() -> bool:
+    """Whether torchrun (torch.distributed.elastic) started this process."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
 def barrier(dist: DistInfo) -> None:
-    if dist.world_size > 1:
+    if dist.sharded:
         torch_dist.barrier()
 
 
 def shutdown(dist: DistInfo) -> None:
     # vLLM may have torn the group down already ("Invalid process group specified"): guard the teardown.
-    if dist.world_size > 1 and torch_dist.is_initialized():
+    if dist.sharded and torch_dist.is_initialized():
         try:
             torch_dist.destroy_process_group()
         except Exception:
@@ -143,7 +154,7 @@ def exit_rank(code: int) -> NoReturn:
     exception", SIGABRT, no Python frame): 3 of 490 runs of tests/test_reliability.py's two-rank CPU training.
     A rank has closed its files and its reward workers by then, so it flushes the standard streams and the
     logging handlers and leaves with os._exit. One process (no torchrun) exits as usual."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not under_torchrun():
         sys.exit(code)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -27,16 +27,23 @@ CPU_VLLM_CYCLE = ("generate", "train", "update_weights", "reset_prefix_cache")  
 
 @dataclass(frozen=True)
 class Target:
-    """The machine a plan is for: device type ("cpu" or "cuda"), torchrun world size, and whether flash-attn
-    imports there (a CUDA node with the `gpu` extra installed has it)."""
+    """The machine a plan is for: device type ("cpu" or "cuda"), torchrun world size, whether flash-attn imports
+    there (a CUDA node with the `gpu` extra installed has it), and whether torchrun launches it (then even one
+    rank is sharded with FSDP2: launch.dist.init_distributed)."""
     device: str = "cpu"
     world_size: int = 1
     flash_attn: bool = False
+    torchrun: bool = False
+
+    @property
+    def sharded(self) -> bool:
+        return self.world_size > 1 or self.torchrun
 
     @classmethod
-    def here(cls, world_size: int = 1) -> Target:
+    def here(cls, world_size: int = 1, torchrun: bool = False) -> Target:
         cuda = torch.cuda.is_available()
-        return cls("cuda" if cuda else "cpu", world_size, cuda and importlib.util.find_spec("flash_attn") is not None)
+        return cls("cuda" if cuda else "cpu", world_size, cuda and importlib.util.find_spec("flash_attn") is not None,
+                   torchrun)
 
 
 def tp_size(cfg: Config) -> int:
@@ -71,7 +78,7 @@ def precision(cfg: Config, target: Target) -> dict:
     reduced and accumulated in float32. A frozen reference needs no master copy: it is stored and computed in
     the compute dtype. The logits that feed logprobs are float32 on every path."""
     compute, mechanism = cfg.model.param_dtype, "none"
-    if target.world_size > 1:
+    if target.sharded:
         mechanism = "FSDP2 MixedPrecisionPolicy"
     elif compute != cfg.model.dtype:
         mechanism = "torch.autocast"
@@ -104,7 +111,7 @@ def vllm_arguments(cfg: Config, target: Target, model_path: str = "<model direct
         generation_config="vllm",  # never take sampling defaults from the model's generation_config.json
         enable_sleep_mode=cuda,  # a CUDA allocator feature
     )
-    if target.world_size > 1:
+    if target.sharded:  # a process group exists: vLLM joins it instead of making a world of its own
         arguments["distributed_executor_backend"] = "external_launcher"
     if cuda:
         arguments["gpu_memory_utilization"] = cfg.rollout.vllm_gpu_memory_utilization
@@ -127,7 +134,7 @@ def own_engine_copy(cfg: Config, target: Target) -> bool:
     policy module: under FSDP2 (a sharded forward is a collective, and ranks stop generating at different
     steps), or when the engine computes in another dtype than the policy's master weights (bf16 sampling,
     as vLLM does, beside fp32 master weights)."""
-    return target.world_size > 1 or cfg.model.param_dtype != cfg.model.dtype
+    return target.sharded or cfg.model.param_dtype != cfg.model.dtype
 
 
 def check_plan(cfg: Config, target: Target) -> None:
@@ -172,7 +179,8 @@ def run_plan(cfg: Config, target: Target, model_path: str = "<model directory>")
     """The whole plan as one JSON-able object (what --dry-run prints); checked first (check_plan)."""
     check_plan(cfg, target)
     tp = tp_size(cfg)
-    plan = {"target": {"device": target.device, "world_size": target.world_size, "flash_attn": target.flash_attn},
+    plan = {"target": {"device": target.device, "world_size": target.world_size, "flash_attn": target.flash_attn,
+                       "torchrun": target.sharded},
             "precision": precision(cfg, target), "attention": attention(cfg, target),
             "logprob_pass": logprob_pass(cfg, target),
             "engine": cfg.rollout.engine, "engine_cycle": engine_cycle(cfg, target),

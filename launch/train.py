@@ -182,9 +182,10 @@ def _dry_run(cfg: Config, dist, args: argparse.Namespace) -> None:
     --world-size) only the settings are checked: the files, model and tokenizer are the target machine's."""
     from launch.plan import Target, run_plan
     from launch.preflight import _check_settings, prepare, startup_warnings
-    here = Target.here(dist.world_size)
+    here = Target.here(dist.world_size, torchrun=dist.sharded)
     target = Target(args.device or here.device, args.world_size or dist.world_size,
-                    not args.no_flash_attn and (here.flash_attn if args.device in (None, here.device) else True))
+                    not args.no_flash_attn and (here.flash_attn if args.device in (None, here.device) else True),
+                    torchrun=here.torchrun)
     model = cfg.init_from or cfg.model.name_or_path or "<the embedded default's directory>"
     if target == here:
         from models import resolve_model_dir

@@ -186,7 +186,7 @@ def test_gpu_script_on_cpu_tiny(tmp_path):
     out = tmp_path / "gpu.json"
     environment = {**os.environ, "PYTHON": sys.executable}
     finished = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), str(out), "--device", "cpu", "--tiny",
-                               "--no-vllm"], capture_output=True, text=True, env=environment, timeout=300)
+                               "--no-vllm"], capture_output=True, text=True, env=environment, timeout=420)
     assert finished.returncode == 0, finished.stderr[-2000:]
     assert "SKIPPED vllm_rollout: --no-vllm" in finished.stdout
     result = json.loads(out.read_text())
@@ -199,6 +199,12 @@ def test_gpu_script_on_cpu_tiny(tmp_path):
     # ratio moved between 0.0 and 0.71 from run to run (allocator reuse; the target lives in bench.logprobs).
     assert math.isfinite(memory["peak_ratio_no_grad"]) and memory["peak_ratio_no_grad"] >= 0
     assert result["rollout"]["hf_rollout"]["generated_tokens"] == 2 * 2 * 4
+    # The trainer itself, three steps in bf16 over fp32 master weights: one process, then torchrun with one rank.
+    assert result["rl"]["errors"] == {} and "vllm_run" in result["rl"]["skipped"]
+    for name in ("one_process", "torchrun_1_rank"):
+        run = result["rl"][name]
+        assert run["returncode"] == 0 and [step["step"] for step in run["steps"]] == [1, 2, 3], run["stderr_tail"]
+        assert all(step["tis_weight_mean"] > 0 and step["logprob_gap"] > 0 for step in run["steps"])
 
 
 @pytest.mark.parametrize("arch, tie", [("llama", False), ("qwen3", True)])

@@ -13,25 +13,39 @@ from tests_support import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_two_rank_grpo_steps(tmp_path, tiny_model_dir):
+def _torchrun_train(tmp_path, tiny_model_dir, ranks: int, *extra: str) -> list[dict]:
+    """launch.train under torchrun on CPU (gloo) for 2 steps; the run's metrics."""
     from data.rows import write_rows
-    from transformers import AutoModelForCausalLM
     rows = [{"prompt": [{"role": "user", "content": f"Tell me about {i}."}], "data_source": "tests_vowels",
              "reward_model": {"ground_truth": "{}"}, "extra_info": {"index": i}} for i in range(8)]
     write_rows(rows, tmp_path / "rows.jsonl")
     torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+    command = [str(torchrun), f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
                "-m", "launch.train", f"model.name_or_path={tiny_model_dir}",
                f"data.train_files=['{tmp_path / 'rows.jsonl'}']",
                "reward.functions={tests_vowels: 'rewards_for_tests:vowel_fraction'}", "rollout.n=4",
                "rollout.max_new_tokens=8", "trainer.prompts_per_step=1", "trainer.micro_batch_size=2",
                "trainer.steps=2", "optim.lr=1e-3", "rollout.sync_bucket_mb=1", f"trainer.out_dir={tmp_path}",
-               "trainer.run_name=dist"]
+               "trainer.run_name=dist", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     finished = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert finished.returncode == 0, f"torchrun failed:\n{finished.stdout[-3000:]}\n{finished.stderr[-6000:]}"
-    metrics = [json.loads(line) for line in (tmp_path / "dist" / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (tmp_path / "dist" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_one_torchrun_rank_runs_the_sharded_path(tmp_path, tiny_model_dir):
+    # torchrun --nproc_per_node=1 (bench/gpu.sh's NCCL check on one GPU): a process group of one, the policy
+    # sharded with FSDP2, the engine on its own copy synced in buckets after every update.
+    metrics = _torchrun_train(tmp_path, tiny_model_dir, 1)
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["sync/buckets"] > 1 and m["grad_norm"] > 0 for m in metrics)
+    assert metrics[1]["logprob_gap"] < 1e-4, metrics[1]["logprob_gap"]
+
+
+def test_two_rank_grpo_steps(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+    metrics = _torchrun_train(tmp_path, tiny_model_dir, 2)
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert m["sync/buckets"] > 1 and m["ratio_first_update"] == 1.0 and m["grad_norm"] > 0
