@@ -146,8 +146,6 @@ def check_plan(cfg: Config, target: Target) -> None:
     if world % tp:
         raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the world size {world}: every rank "
                           f"must belong to one replica")
-    if target.device == "cpu" and tp > 1:
-        raise ConfigError(f"rollout.tensor_parallel_size={tp}: vLLM's CPU backend here runs one rank per replica")
     needed = cfg.data.max_prompt_tokens + _longest_completion(cfg)
     if cfg.rollout.engine == "vllm" and cfg.rollout.max_model_len is not None and cfg.rollout.max_model_len < needed:
         raise ConfigError(f"rollout.max_model_len={cfg.rollout.max_model_len} cannot hold the longest prompt allowed "

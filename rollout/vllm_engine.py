@@ -70,6 +70,9 @@ class VLLMEngine:
         # In-process engine: collective_rpc then runs our reload function on the worker without pickling
         # the weights (the external launcher forces this too).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.cpu_tensor_parallel = not arguments.get("enable_sleep_mode") and arguments.get("tensor_parallel_size", 1) > 1
+        if self.cpu_tensor_parallel:
+            _remove_cpu_shm_segments()
         import vllm
         from transformers import AutoConfig
 
@@ -202,9 +205,27 @@ class VLLMEngine:
             self.asleep.discard(tag)
 
     def close(self) -> None:
-        """Release the engine (its KV cache and weights) at the end of a run."""
+        """Release the engine (its KV cache and weights) at the end of a run, and the shared-memory segments
+        of a CPU tensor-parallel group (unlinking a name leaves mappings still in use intact)."""
         llm, self.llm = self.llm, None
         del llm
+        if self.cpu_tensor_parallel:
+            _remove_cpu_shm_segments()
+
+
+def _remove_cpu_shm_segments() -> None:
+    """Remove the shared-memory segments of vLLM's CPU tensor-parallel communicator (vLLM 0.32's
+    cpu_communicator.py), which a rank leaving with os._exit (launch.dist.exit_rank) or a crash leaves behind.
+    Under the external launcher their names do not name the run ("env://" gives the identifier "//", so
+    "/dev/shm/-tp:0-[0-1]-cpushm_0"), and the next run on the machine fails to create them (errno 17). Local rank 0
+    removes them before the engine starts (then every rank waits) and at close; unlinking a name leaves the
+    mappings of a process still using it intact."""
+    import torch.distributed as dist
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        for segment in Path("/dev/shm").glob("-[tp][pp]:*-cpushm_*"):
+            segment.unlink(missing_ok=True)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def reload_weights_in_place(llm, weights: list[tuple[str, Tensor]], *, repack_tied_head: bool) -> None:

