@@ -281,18 +281,18 @@ def run_steps(overrides: list[str], *, sync: str = "shared", no_eos: bool = Fals
             vocab_rows = model.get_output_embeddings().weight.shape[0]
             # An id past the vocabulary is never sampled, so no completion ends before max_new_tokens.
             eos = [vocab_rows] if no_eos else None
-            if sync == "copy":
-                load = dict(dtype=getattr(torch, cfg.model.dtype), device=dist.device,
-                            attn_implementation=cfg.model.attn_implementation,
+            if sync == "copy" and parts.engine.shared:
+                # The engine's own copy in the compute dtype, as launch.plan gives a sharded run.
+                load = dict(dtype=getattr(torch, cfg.model.param_dtype), device=dist.device,
+                            attn_implementation=model.config._attn_implementation,
                             trust_remote_code=cfg.model.trust_remote_code)
                 engine = HFEngine(load_model(cfg.model.name_or_path, **load).eval().requires_grad_(False), tokenizer,
                                   shared=False, eos_token_ids=eos)
                 sync_copy = lambda: sync_weights(model, engine, bucket_bytes=cfg.rollout.sync_bucket_mb << 20)  # noqa: E731
                 sync_copy()
-                parts = dataclasses.replace(parts, sync_weights=sync_copy)
-            else:
-                engine = HFEngine(model, tokenizer, shared=True, eos_token_ids=eos)
-            parts = dataclasses.replace(parts, engine=engine)
+                parts = dataclasses.replace(parts, sync_weights=sync_copy, engine=engine)
+            elif eos is not None:
+                parts.engine.eos_token_ids = eos  # the engine the run built (launch.plan), never stopping early
         if cut_to is not None:
             cut_completions(parts.engine, cut_to, cfg.seed)
         memory = PhaseMemory(cuda=dist.device.type == "cuda")

@@ -2,6 +2,7 @@
 
     python -m bench.vs_trl --trl-python /work/venv-trl/bin/python        # 2 prompts x G=4, 32 tokens, 2 rounds
     python -m bench.vs_trl --trl-python PY --rounds 3 --steps 3 --threads 1 --out bench/results/vs_trl.json
+    python -m bench.vs_trl --trl-python PY --precision bf16 --allocator cached  # both sides bf16 over fp32 weights
     python -m bench.vs_trl --print-settings                             # the settings of both sides, then exit
     python -m bench.vs_trl --quick --trl-python PY                      # smoke run: tiny random model
 
@@ -62,8 +63,11 @@ from bench.report import write_results
 ALLOCATORS = ("shipped", "cached", "system")
 
 
+PRECISIONS = ("fp32", "bf16")
+
+
 def fairness_settings(*, prompts: int, group: int, new_tokens: int, lr: float, steps: int, seed: int,
-                      threads: int, allocator: str = "shipped") -> dict:
+                      threads: int, allocator: str = "shipped", precision: str = "fp32") -> dict:
     """What each side is configured with: `ours` is a list of trainer config overrides (model, rows file and
     run directory are added by the child), `trl` the GRPOConfig keyword arguments (output_dir added),
     `trl_environment` what TRL's process gets beside the environment it inherits."""
@@ -72,6 +76,9 @@ def fairness_settings(*, prompts: int, group: int, new_tokens: int, lr: float, s
                          f"{new_tokens}, {steps}")
     if allocator not in ALLOCATORS:
         raise ValueError(f"allocator must be one of {ALLOCATORS}, got {allocator!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    bf16 = precision == "bf16"
     from launch.allocator import ENVIRONMENT
     batch = prompts * group
     ours = [f"rollout.n={group}", f"rollout.max_new_tokens={new_tokens}", "rollout.temperature=1.0",
@@ -80,7 +87,8 @@ def fairness_settings(*, prompts: int, group: int, new_tokens: int, lr: float, s
             "optim.betas=[0.9, 0.999]", "optim.schedule=constant", "optim.warmup_steps=0", "optim.grad_clip=1.0",
             "algorithm.adv_scale=group", "algorithm.clip_low=0.2", "algorithm.clip_high=0.2",
             "algorithm.agg=token-mean", "algorithm.kl_coef=0.0", "algorithm.ppo_epochs=1", "data.shuffle=false",
-            "model.dtype=float32", "model.attn_implementation=sdpa", f"seed={seed}", "trainer.eval_before=false",
+            "model.dtype=float32", f"model.param_dtype={'bfloat16' if bf16 else 'float32'}",
+            "model.attn_implementation=sdpa", f"seed={seed}", "trainer.eval_before=false",
             f"trainer.keep_freed_memory={allocator != 'system'}"]
     trl = dict(per_device_train_batch_size=batch, gradient_accumulation_steps=1, num_generations=group,
                max_completion_length=new_tokens, generation_kwargs={"min_new_tokens": new_tokens},
@@ -88,12 +96,15 @@ def fairness_settings(*, prompts: int, group: int, new_tokens: int, lr: float, s
                adam_beta2=0.999, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
                optim="adamw_torch_fused", scale_rewards="group", epsilon=0.2, epsilon_high=0.2, loss_type="dapo",
                beta=0.0, num_iterations=1, mask_truncated_completions=False, shuffle_dataset=False,
-               max_steps=steps, bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True, seed=seed,
+               max_steps=steps, bf16=bf16, fp16=False, gradient_checkpointing=False, use_cpu=True, seed=seed,
                logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
                dataloader_num_workers=0, log_completions=False)
     differences = [
         "exactly N new tokens: ours samples with an end-of-sequence id that is never drawn; TRL gets "
         "generation_kwargs min_new_tokens=N",
+        ("bf16 on both sides over fp32 master weights: ours model.param_dtype=bfloat16 (autocast, the engine on "
+         "its own bf16 copy synced after every update), TRL bf16=True (its default); TRL gradient_checkpointing="
+         "False (its default is True; ours has none)") if bf16 else
         "TRL bf16=False, gradient_checkpointing=False (TRL defaults True; ours fp32, no checkpointing)",
         "TRL optim=adamw_torch_fused (the fused AdamW ours uses; transformers' default for torch >= 2.8); "
         "lr_scheduler_type=constant",
@@ -103,6 +114,7 @@ def fairness_settings(*, prompts: int, group: int, new_tokens: int, lr: float, s
          "cached": "both keep freed memory (TRL's process: " + " ".join(f"{k}={v}" for k, v in ENVIRONMENT.items()) + ")",
          "system": "glibc's default allocator on both sides (ours trainer.keep_freed_memory=false)"}[allocator]]
     return {"ours": ours, "trl": trl, "differences": differences, "threads": threads, "allocator": allocator,
+            "precision": precision,
             "trl_environment": dict(ENVIRONMENT) if allocator == "cached" else {},
             "shape": {"prompts": prompts, "group": group, "new_tokens": new_tokens, "steps": steps, "lr": lr}}
 
@@ -263,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allocator", choices=ALLOCATORS, default="shipped",
                         help="shipped: ours keeps freed memory, TRL glibc's default; cached: both keep it; "
                              "system: neither (launch/allocator.py)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="fp32 on both sides, or bf16 compute over fp32 master weights on both (TRL's bf16=True)")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny random model, 1 round, 8 tokens")
     parser.add_argument("--print-settings", action="store_true")
     parser.add_argument("--out", help="write the JSON here")
@@ -280,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds, args.steps, args.new_tokens = 1, 1, 8
     settings = fairness_settings(prompts=args.prompts, group=args.group, new_tokens=args.new_tokens, lr=args.lr,
                                  steps=args.steps + 1, seed=args.seed, threads=args.threads,
-                                 allocator=args.allocator)
+                                 allocator=args.allocator, precision=args.precision)
     if args.print_settings:
         print(json.dumps(settings, indent=1))
         return 0

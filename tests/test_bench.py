@@ -132,6 +132,19 @@ def test_vs_trl_settings_match_on_both_sides(tmp_path):
         fairness_settings(prompts=2, group=1, new_tokens=32, lr=1e-6, steps=3, seed=0, threads=2)
 
 
+def test_vs_trl_bf16_is_bf16_over_fp32_master_weights_on_both_sides(tmp_path):
+    from bench.vs_trl import fairness_settings
+    from launch.config import load_config
+
+    settings = fairness_settings(prompts=2, group=4, new_tokens=32, lr=1e-6, steps=3, seed=0, threads=2,
+                                 precision="bf16")
+    cfg = load_config(None, settings["ours"] + [f"data.train_files=['{tmp_path / 'rows.jsonl'}']"])
+    assert (cfg.model.dtype, cfg.model.param_dtype) == ("float32", "bfloat16") and settings["trl"]["bf16"] is True
+    assert settings["precision"] == "bf16" and any("bf16 on both sides" in d for d in settings["differences"])
+    with pytest.raises(ValueError, match="precision must be one of"):
+        fairness_settings(prompts=2, group=4, new_tokens=32, lr=1e-6, steps=3, seed=0, threads=2, precision="fp8")
+
+
 @pytest.mark.parametrize("allocator, ours_keeps, trl_keeps", [("shipped", True, False), ("cached", True, True),
                                                               ("system", False, False)])
 def test_vs_trl_allocator_settings(tmp_path, allocator, ours_keeps, trl_keeps):
