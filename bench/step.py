@@ -302,7 +302,7 @@ def run_steps(overrides: list[str], *, sync: str = "shared", no_eos: bool = Fals
             on_build(parts)
         started, started_cpu = time.perf_counter(), time.process_time()
         try:
-            train_rl(cfg, dist, parts)
+            train_rl(parts, dist)
         finally:
             for hook in hooks:
                 hook.remove()

@@ -85,7 +85,7 @@ def fairness_settings(*, prompts: int, group: int, new_tokens: int, lr: float, s
             "rollout.top_p=1.0", "rollout.top_k=0", f"trainer.prompts_per_step={prompts}",
             f"trainer.micro_batch_size={batch}", f"trainer.steps={steps}", f"optim.lr={lr}", "optim.weight_decay=0.0",
             "optim.betas=[0.9, 0.999]", "optim.schedule=constant", "optim.warmup_steps=0", "optim.grad_clip=1.0",
-            "algorithm.adv_scale=group", "algorithm.clip_low=0.2", "algorithm.clip_high=0.2",
+            "algorithm.adv_estimator=grpo", "algorithm.clip_low=0.2", "algorithm.clip_high=0.2",
             "algorithm.agg=token-mean", "algorithm.kl_coef=0.0", "algorithm.ppo_epochs=1", "data.shuffle=false",
             "model.dtype=float32", f"model.param_dtype={'bfloat16' if bf16 else 'float32'}",
             "model.attn_implementation=sdpa", f"seed={seed}", "trainer.eval_before=false",

@@ -155,3 +155,17 @@ def shaped_advantages(
     centred = returns.view(-1, group_size, token_count) - mu[:, :, None]
     advantages = (centred / divisor[:, :, None]).reshape(-1, token_count)
     return advantages * mask
+
+
+# --- TEMP-MERGE: stand-in for the estimator registry being written beside this branch (take theirs on merge) ---
+ESTIMATOR_NAMES = ("grpo", "dr_grpo", "batch_std")
+
+
+def compute_advantages(estimator, rewards, token_shaping, mask, group_size, *, eps=1e-6, weights=None,
+                       all_reduce_sum=lambda tensor: tensor):
+    scale = {"grpo": "group", "dr_grpo": "none", "batch_std": "batch"}[estimator]
+    batch_std = None
+    if scale == "batch":
+        moments = batch_moments(completion_returns(rewards, token_shaping, mask), weights)
+        batch_std = moments_std(all_reduce_sum(moments))
+    return shaped_advantages(rewards, token_shaping, mask, group_size, scale=scale, eps=eps, batch_std=batch_std)

@@ -214,3 +214,53 @@ def truncated_is_weights(
             check_same_shape(mask, "mask", old_logprobs, "old_logprobs")
             log_ratio = (log_ratio * mask.to(log_ratio.dtype)).sum(dim=1, keepdim=True).expand_as(log_ratio)
         return torch.exp(log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)).clamp(max=cap)
+
+
+# --- TEMP-MERGE: stand-in for the loss entry point being written beside this branch (take theirs on merge) ---
+from dataclasses import dataclass as _dataclass  # noqa: E402
+
+
+@_dataclass(frozen=True)
+class LossSpec:
+    mode: str = "ppo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    ratio_level: str = "token"
+    agg: str = "token-mean"
+    max_len: int | None = None
+    kl_coef: float = 0.0
+    kl_kind: str = "k3"
+    entropy_coef: float = 0.0
+    tis_cap: float | None = None
+    tis_level: str = "token"
+
+
+POLICY_LOSSES = ("ppo",)
+
+
+def rl_loss(spec, logprobs, old_logprobs, advantages, mask, *, denominator, rollout_logprobs=None,
+            ref_logprobs=None, entropy=None):
+    is_weights = None
+    if spec.tis_cap is not None:
+        is_weights = truncated_is_weights(old_logprobs, rollout_logprobs, cap=spec.tis_cap, level=spec.tis_level,
+                                          mask=mask)
+    loss, metrics = policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=spec.clip_low,
+                                clip_high=spec.clip_high, dual_clip=spec.dual_clip, agg=spec.agg,
+                                denominator=denominator, max_len=spec.max_len, is_weights=is_weights,
+                                ratio_level=spec.ratio_level)
+    if ref_logprobs is not None and spec.kl_coef > 0:
+        kl_values = kl_penalty(logprobs, ref_logprobs, spec.kl_kind)
+        loss = loss + spec.kl_coef * aggregate(kl_values, mask, spec.agg, denominator=denominator, max_len=spec.max_len)
+        metrics["kl"] = masked_mean(kl_values.detach(), mask)
+    if entropy is not None:
+        if spec.entropy_coef:
+            loss = loss - spec.entropy_coef * aggregate(entropy, mask, spec.agg, denominator=denominator,
+                                                        max_len=spec.max_len)
+        metrics["entropy"] = masked_mean(entropy.detach(), mask)
+    if rollout_logprobs is not None:
+        metrics["logprob_gap"] = masked_mean((old_logprobs - rollout_logprobs).abs(), mask)
+    if is_weights is not None:
+        metrics["tis_weight_mean"] = masked_mean(is_weights, mask)
+        metrics["tis_clip_frac"] = masked_mean((is_weights >= spec.tis_cap).float(), mask)
+    return loss, metrics

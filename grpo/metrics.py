@@ -1,6 +1,6 @@
 """Per-step metrics of the RL loop (TRL-style names) and their reduction over ranks.
 
-The ones that catch silent no-learning (DESIGN.md): flat_group_frac, truncation_rate, per-component reward
+The ones that catch silent no-learning: flat_group_frac, truncation_rate, per-component reward
 means, ratio_mean on the first update (must be 1 on-policy) and the time split.
 """
 from __future__ import annotations
@@ -89,12 +89,12 @@ def reduce_metrics(metrics: dict, dist) -> dict:
 
 
 class NoSignalWatch:
-    """The warnings that catch silent no-learning (DESIGN.md): every group flat in a step, and truncation or
-    flat groups above their threshold for trainer.warn_after_steps steps in a row."""
+    """The warnings that catch silent no-learning: every group flat in a step, and truncation or flat groups above
+    their threshold for `watch.after_steps` steps in a row (watch: grpo.parts.Watch)."""
 
-    def __init__(self, trainer, kl_coef: float):
-        self.thresholds = {"truncation_rate": trainer.warn_truncation, "flat_group_frac": trainer.warn_flat_groups}
-        self.after_steps, self.kl_coef = trainer.warn_after_steps, kl_coef
+    def __init__(self, watch, kl_coef: float):
+        self.thresholds = {"truncation_rate": watch.truncation, "flat_group_frac": watch.flat_groups}
+        self.after_steps, self.kl_coef = watch.after_steps, kl_coef
         self.streaks = dict.fromkeys(self.thresholds, 0)
 
     def update(self, metrics: dict, step: int) -> list[str]:

@@ -1,18 +1,30 @@
-"""What the loops receive, built once by launch/build.py: frozen values for what never changes during a run,
-and the three small interfaces of what launch owns (collectives, the run log, checkpoints and stop requests).
+"""What the loops receive, built once by launch/build.py: frozen specs of what never changes during a run (read
+from the config there, so no config object reaches the loops or the math), the parts they run, and the small
+interfaces of what launch owns (collectives, the run log, checkpoints and stop requests).
 
-The loops import nothing from launch/: these protocols are the whole contract.
+The loops import nothing from launch/: these types are the whole contract.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
+from grpo.losses import LossSpec
 from grpo.scoring import Scorer
+from rollout.engine import Engine
+
+
+class StepFailed(RuntimeError):
+    """A failure inside a loop, with the phase it happened in (rollout_reward, logprob, update, sync, held-out
+    evaluation, checkpoint) and the step; the error itself is the cause. launch.train names the rank."""
+
+    def __init__(self, phase: str, step: int | None, error: BaseException):
+        super().__init__(f"{phase} failed at step {step}: {type(error).__name__}: {error}")
+        self.phase, self.step = phase, step
 
 
 class Collectives(Protocol):
@@ -68,32 +80,135 @@ class Policy:
 
 
 @dataclass(frozen=True)
+class Sampling:
+    """What the engine samples with (rollout.engine.Engine.generate's keyword arguments)."""
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+
+    def kwargs(self) -> dict:
+        return dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                    top_k=self.top_k, stop=list(self.stop))
+
+
+@dataclass(frozen=True)
+class LogprobSpec:
+    """How the trainer's logprob passes run (models.logprobs.completion_logprobs): the sampling temperature (the
+    ratio compares like with like), chunking, packing, and the ids the engines can sample (None: every row)."""
+    temperature: float = 1.0
+    chunk_size: int = 1024
+    packed: bool = False
+    vocab_size: int | None = None
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a step's rollout is cut for the update (grpo.plan): prompts_per_mini_batch is per rank (None: the whole
+    batch, one optimizer step per epoch), micro-batches by rows or, when max_tokens > 0, by tokens."""
+    prompts_per_step: int
+    group_size: int
+    prompts_per_mini_batch: int | None = None
+    ppo_epochs: int = 1
+    micro_batch_size: int = 8
+    max_tokens: int = 0
+
+    @property
+    def one_update(self) -> bool:
+        """One optimizer step per rollout: the old logprobs can be the update's own, detached."""
+        return self.ppo_epochs == 1 and self.prompts_per_mini_batch in (None, self.prompts_per_step)
+
+
+@dataclass(frozen=True)
+class AdvantageSpec:
+    """From a step's rewards to its advantages: DAPO's overlong penalty (cache_len 0: off; max_len is
+    rollout.max_new_tokens), the KL in the reward (verl's use_kl_in_reward), and the estimator."""
+    estimator: str = "grpo"
+    eps: float = 1e-6
+    max_len: int = 1
+    overlong_cache_len: int = 0
+    overlong_factor: float = 1.0
+    kl_in_reward: bool = False
+    kl_coef: float = 0.0
+    kl_kind: str = "k3"
+
+
+@dataclass(frozen=True)
+class Watch:
+    """The no-signal warnings (grpo.metrics.NoSignalWatch): thresholds and the streak length."""
+    truncation: float = 0.5
+    flat_groups: float = 0.9
+    after_steps: int = 3
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """When the loops score the held-out rows: before the first step (when `before`), every `every` steps (0:
+    only before and after) and after the last one."""
+    every: int = 0
+    before: bool = True
+
+
+@dataclass(frozen=True)
+class RLSpec:
+    """Everything the RL loop reads that never changes during a run."""
+    steps: int
+    seed: int
+    sampling: Sampling
+    batching: Batching
+    logprobs: LogprobSpec
+    advantage: AdvantageSpec
+    loss: LossSpec
+    dynamic_sampling: bool = False
+    max_gen_batches: int = 1
+    grad_clip: float = 1.0
+    max_consecutive_skips: int = 3
+    evaluation: Evaluation = field(default_factory=Evaluation)
+    watch: Watch = field(default_factory=Watch)
+
+
+@dataclass(frozen=True)
+class SFTSpec:
+    """Everything the SFT loop reads."""
+    steps: int
+    batch_size: int
+    micro_batch_size: int
+    chunk_size: int = 1024
+    grad_clip: float = 1.0
+    max_consecutive_skips: int = 3
+    evaluation: Evaluation = field(default_factory=Evaluation)
+
+
+# Held-out evaluation after step s: grpo.evaluate.evaluate's result (count, per-prompt values, means with 95%
+# intervals, records); None when the run has no held-out rows.
+Evaluate = Callable[[int], dict]
+
+
+@dataclass(frozen=True, kw_only=True)
 class SFTParts:
+    spec: SFTSpec
     policy: Policy
-    examples: list[tuple[list[int], list[int]]]  # (prompt ids, target ids) per training row
+    examples: Sequence[tuple[list[int], list[int]]]  # (prompt ids, target ids) per training row
     sampler: Sampler
     pad_id: int
     log: Log
     checkpoints: Checkpoints
-    evaluate: Callable[[int], dict] | None = None  # see RLParts.evaluate
+    evaluate: Evaluate | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RLParts:
+    spec: RLSpec
     policy: Policy
-    engine: Any  # rollout.engine.Engine
+    engine: Engine
     sync_weights: Callable[[], dict]  # push the policy's weights into the engine; returns sync metrics
     reference_logprobs: Callable[[dict], Tensor] | None  # padded batch -> [B, T] logprobs of the KL reference
-    rows: list[dict]  # training rows
-    prompt_ids: list[list[int]]  # their rendered prompts
+    rows: Sequence[dict]  # training rows
+    prompt_ids: Sequence[list[int]]  # their rendered prompts
     sampler: Sampler
     scorer: Scorer
     pad_id: int
     log: Log
     checkpoints: Checkpoints
-    # Held-out scores after step s ({"eval/<metric>": mean, ...}, grpo.evaluate.summarize) for trainer.eval_every;
-    # None when the run has no held-out rows.
-    evaluate: Callable[[int], dict] | None = None
-    # The ids the engines can sample (models.logprobs.sampleable_vocab_size): the trainer's logprobs normalise
-    # over these only. None: every row of the output projection.
-    vocab_size: int | None = None
+    evaluate: Evaluate | None = None

@@ -50,10 +50,48 @@ def mini_batch_denominators(mask: Tensor, minis: Sequence[Tensor], agg: str) -> 
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """Rows of one forward/backward. weight 0: a pass that only keeps FSDP's collectives paired across ranks
-    (a rank with fewer micro-batches than another repeats a row and trains on nothing)."""
+    """Rows of one forward/backward, and once planned (plan_update) their padded inputs (models.batching.pad_batch:
+    prompts left-padded, completions right-padded to this micro-batch's own width T_mb). weight 0: a pass that only
+    keeps FSDP's collectives paired across ranks (a rank with fewer micro-batches than another repeats a row and
+    trains on nothing)."""
     rows: Tensor  # [b] long, ascending
     weight: float = 1.0
+    inputs: dict | None = None
+
+    def take(self, values: Tensor | None) -> Tensor | None:
+        """This micro-batch's slice [b, T_mb] of a step-wide [B, T] tensor (None stays None)."""
+        if values is None:
+            return None
+        return values[self.rows, : self.inputs["completion_mask"].shape[1]]
+
+
+@dataclass(frozen=True)
+class MiniBatch:
+    """One optimizer step: its micro-batches and its loss denominator summed over them and over all ranks
+    (grpo.losses.loss_denominator). A denominator of 0 (only dynamic-sampling filler groups, on every rank)
+    takes no step."""
+    micro_batches: tuple[MicroBatch, ...]
+    denominator: Tensor  # 0-dim float
+
+
+def plan_update(completions: Sequence, mask: Tensor, batching, agg: str, pad_id: int, *,
+                all_reduce_sum: Callable[[Tensor], Tensor] = lambda t: t,
+                all_reduce_max: Callable[[Tensor], Tensor] = lambda t: t) -> list[MiniBatch]:
+    """The update's plan for one rollout: mini-batches of whole groups (one optimizer step each) made of
+    micro-batches (one forward/backward each; every rank runs as many, since FSDP's collectives pair up across
+    ranks), each micro-batch with its padded inputs, each mini-batch's denominator summed over ranks (one
+    all-reduce). completions: the B rollout.engine.Completion of the step; mask: [B, T] 0/1 (0 for fillers);
+    batching: grpo.parts.Batching."""
+    from models.batching import pad_batch
+    minis = mini_batches(batching.prompts_per_step, batching.group_size, batching.prompts_per_mini_batch)
+    plan = micro_batches(minis, [len(c.prompt_ids) + len(c.completion_ids) for c in completions],
+                         rows_per_micro_batch=batching.micro_batch_size, max_tokens=batching.max_tokens,
+                         agree_max=all_reduce_max)
+    denominators = all_reduce_sum(mini_batch_denominators(mask, minis, agg))
+    return [MiniBatch(tuple(MicroBatch(micro.rows, micro.weight, pad_batch(
+        [completions[r].prompt_ids for r in micro.rows.tolist()],
+        [completions[r].completion_ids for r in micro.rows.tolist()], pad_id)) for micro in mini), denominator)
+        for mini, denominator in zip(plan, denominators)]
 
 
 def micro_batches(minis: Sequence[Tensor], lengths: Sequence[int], *, rows_per_micro_batch: int,

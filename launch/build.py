@@ -18,9 +18,12 @@ import torch
 import yaml
 
 from data.sampler import PromptSampler
-from grpo.config import Config
-from grpo.evaluate import evaluate, summarize
-from grpo.parts import Policy, RLParts, SFTParts
+from launch.schema import Config
+from grpo.evaluate import evaluate
+from grpo.losses import LossSpec
+from grpo.parts import (AdvantageSpec, Batching, Evaluation, LogprobSpec, Policy, RLParts, RLSpec, Sampling, SFTParts,
+                        SFTSpec, Watch)
+from grpo.prepare import logprob_pass
 from grpo.schedule import lr_factor
 from grpo.scoring import Scorer
 from launch.allocator import keep_freed_memory
@@ -32,28 +35,7 @@ from launch.preflight import Prepared, prepare
 from launch.runlog import RunLog, truncate_metrics_file
 from launch.watchdog import with_deadline
 from models.precision import compute_in
-
-
-class HeldOut:
-    """The run's held-out evaluation (grpo.evaluate.evaluate), remembered by step, so that the loops' curve points
-    (trainer.eval_every) and the before/after table are one evaluation, never two."""
-
-    def __init__(self, evaluate_rows: Callable[[], dict]):
-        self.evaluate_rows, self.results = evaluate_rows, {}
-
-    def result(self, step: int) -> dict:
-        """The whole result after step `step` (per-prompt values and records included)."""
-        if step not in self.results:
-            try:
-                self.results[step] = self.evaluate_rows()
-            except Exception as error:  # the run fails naming the phase and the step; the last checkpoint stays
-                error.add_note("phase: held-out evaluation")
-                raise
-        return self.results[step]
-
-    def __call__(self, step: int) -> dict:
-        """What the loops log: flat eval/<metric> numbers (grpo.evaluate.summarize)."""
-        return summarize(self.result(step))
+from rollout.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -63,32 +45,79 @@ class Run:
     run_dir: Path
     log: RunLog
     checkpoints: Checkpointer
-    held_out: HeldOut | None  # None without held-out rows
-    engine: object | None
-    prepared: Prepared  # what the start-up checks produced; owns the reward workers
+    engine: Engine | None
+    prepared: Prepared  # what the start-up checks produced
+    reward_pool: object | None  # launch.reward_pool.RewardPool, or None (rewards scored in this process)
 
     def close(self) -> None:
         """Close the log and stop the reward workers (the engine is closed by launch.train after a full run)."""
         self.log.close()
-        self.prepared.close()
+        if self.reward_pool is not None:
+            self.reward_pool.close()
+
+
+def _start_reward_pool(cfg: Config, rows: list[dict]):
+    """The reward workers (reward.num_workers), started, once each data source of `rows` resolves to the same
+    function in them as here."""
+    import rewards
+    from launch.reward_pool import RewardPool, function_identity
+    sources = sorted({row["data_source"] for row in rows})
+    pool = RewardPool(cfg.reward, sources)
+    try:
+        theirs = pool.start()
+        ours = {source: function_identity(rewards.get_reward(source)) for source in sources}
+        for source in sources:
+            if theirs.get(source) != ours[source]:
+                raise ConfigError(
+                    f"reward.num_workers={cfg.reward.num_workers}: data_source {source!r} is {ours[source]} here but "
+                    f"{theirs.get(source)} in the reward workers (a reward registered in code does not reach a new "
+                    f"process): name it by path in reward.functions, or set reward.num_workers=0")
+    except BaseException:
+        pool.close()
+        raise
+    return pool
+
+
+def _reward_scoring(cfg: Config, dist, rows: list[dict]):
+    """(compute_score, compute_scores or None, the worker pool or None) of the run: reward.functions registered by
+    path, the corpus index exported to the factqa_corpus reward, and that reward built by its factory when the
+    recipe configures it (launch.triples.factqa_reward_for: a model extractor, document counts), dispatched here
+    rather than registered over the default."""
+    import os
+
+    import rewards
+    from launch.triples import factqa_reward_for
+    for data_source, dotted in cfg.reward.functions.items():
+        rewards.register(data_source, rewards.get_reward(dotted), overwrite=True)
+    if cfg.reward.corpus_index is not None:
+        os.environ["NANOGRPO_CORPUS_INDEX"] = str(cfg.reward.corpus_index)
+    pool = _start_reward_pool(cfg, rows) if cfg.reward.num_workers else None
+    if pool is not None:  # every reward call goes through the workers (each builds the configured reward itself)
+        return pool.compute_score, pool.compute_scores, pool
+    configured = factqa_reward_for(cfg.reward, device=str(dist.device))
+    if configured is None:
+        return rewards.compute_score, None, None
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        if data_source == "factqa_corpus":
+            return configured(data_source, solution_str, ground_truth, extra_info)
+        return rewards.compute_score(data_source, solution_str, ground_truth, extra_info)
+    return compute_score, None, None
 
 
 @dataclass(frozen=True)
 class Reference:
     """The KL reference: logprobs of a padded batch under the frozen model the run started from, or, with
-    LoRA, under the policy with its adapters disabled."""
+    LoRA, under the policy with its adapters disabled; computed as the policy's are (the same LogprobSpec)."""
     model: torch.nn.Module
     adapters_off: bool
-    temperature: float
-    chunk_size: int
-    vocab_size: int  # the ids the engines can sample, as the policy's logprobs (models.logprobs.sampleable_vocab_size)
+    logprobs: LogprobSpec
 
     def __call__(self, batch: dict) -> torch.Tensor:
-        from models.logprobs import completion_logprobs, evaluating
+        from models.logprobs import evaluating
         from models.lora import disabled_adapters
         with disabled_adapters(self.model) if self.adapters_off else contextlib.nullcontext(), evaluating(self.model):
-            return completion_logprobs(self.model, batch, temperature=self.temperature, chunk_size=self.chunk_size,
-                                       vocab_size=self.vocab_size)[0]
+            return logprob_pass(self.model, self.logprobs, batch)[0]
 
 
 def _load(cfg: Config, dist, source: str | None, key: str, load: dict, *, gradient_checkpointing: bool = False,
@@ -142,8 +171,7 @@ def _policy(cfg: Config, dist, source: str | None, key: str, load: dict, tokeniz
         # the compute dtype (a frozen model needs no master copy: launch.plan.precision).
         reference_model = model if lora.enabled else _load(cfg, dist, source, key, dict(load, dtype=compute)
                                                            ).eval().requires_grad_(False)
-        reference = Reference(reference_model, adapters_off=lora.enabled, temperature=cfg.rollout.temperature,
-                              chunk_size=cfg.model.logprob_chunk_size, vocab_size=vocab_size)
+        reference = Reference(reference_model, adapters_off=lora.enabled, logprobs=logprob_spec(cfg, vocab_size))
     # fused: one kernel over all parameters (CPU and CUDA, DTensor shards too); measured 4x faster than the
     # per-parameter loop on CPU (bench/README.md).
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr,
@@ -154,21 +182,25 @@ def _policy(cfg: Config, dist, source: str | None, key: str, load: dict, tokeniz
     return Policy(model, optimizer, scheduler), reference, vocab_size
 
 
-def build(cfg: Config, dist, *, resume: bool = False, stop_requested: Callable[[], bool] = lambda: False) -> Run:
+def build(cfg: Config, dist, *, resume: bool = False, stop_requested: Callable[[], bool] = lambda: False,
+          rows: list[dict] | None = None, eval_rows: list[dict] | None = None) -> Run:
     """Everything a run needs, checked in order of cost (launch/preflight.py first: nothing is written to the run
     directory before every check passed). resume=True is trainer.resume=always (the --resume flag);
-    stop_requested: asked once per step on every rank (Ctrl-C, SIGTERM)."""
+    stop_requested: asked once per step on every rank (Ctrl-C, SIGTERM); rows / eval_rows: in memory instead of
+    data.train_files / data.eval_files (launch.api.train)."""
     if resume:
         cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume="always"))
-    prepared = prepare(cfg, dist)
+    prepared = prepare(cfg, dist, rows=rows, eval_rows=eval_rows)
+    scoring = _reward_scoring(cfg, dist, prepared.rows + prepared.eval_rows)
     try:
-        return _assemble(cfg, dist, prepared, stop_requested)
+        return _assemble(cfg, dist, prepared, scoring, stop_requested)
     except BaseException:
-        prepared.close()
+        if scoring[2] is not None:
+            scoring[2].close()
         raise
 
 
-def _assemble(cfg: Config, dist, prepared: Prepared, stop_requested: Callable[[], bool]) -> Run:
+def _assemble(cfg: Config, dist, prepared: Prepared, scoring, stop_requested: Callable[[], bool]) -> Run:
     rows, eval_rows, tokenizer, source = prepared.rows, prepared.eval_rows, prepared.tokenizer, prepared.source
     run_dir = Path(cfg.trainer.out_dir) / cfg.trainer.run_name
     torch.manual_seed(cfg.seed)
@@ -200,8 +232,6 @@ def _assemble(cfg: Config, dist, prepared: Prepared, stop_requested: Callable[[]
             sync_weights = with_deadline(engine_sync, cfg.rollout.sync_timeout_s, limit, lambda: (
                 f"weight sync (phase: sync) at step {checkpoints.step} on rank {dist.rank}"))
             sync_weights()  # the policy may hold resumed or initial weights the engine does not
-    from launch.triples import install_factqa_reward
-    install_factqa_reward(cfg.reward, device=str(dist.device))  # a non-default factqa_corpus reward (model extractor)
 
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -209,26 +239,73 @@ def _assemble(cfg: Config, dist, prepared: Prepared, stop_requested: Callable[[]
         if cfg.trainer.resume != "never":  # lines of steps after the checkpoint (or all, starting fresh) are redone
             truncate_metrics_file(run_dir, checkpoints.start_step)
     log = RunLog(run_dir, total_steps=cfg.trainer.steps, start_step=checkpoints.start_step, enabled=dist.is_main,
-                 description=cfg.stage)
+                 description=cfg.stage, wandb_project=cfg.trainer.wandb_project, config=to_dict(cfg))
     for warning in prepared.warnings:
         log.warn(warning)
 
-    import rewards
     from models.chat import prefix_decoder
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    pool = prepared.reward_pool  # reward.num_workers > 0: every reward call goes through the workers
-    scorer = Scorer(pool.compute_score if pool else rewards.compute_score, prefix_decoder(tokenizer),
-                    sentence_coef=cfg.reward.sentence_coef, correct_threshold=cfg.reward.correct_threshold,
-                    compute_scores=pool.compute_scores if pool else None)
+    compute_score, compute_scores, pool = scoring
+    scorer = Scorer(compute_score, prefix_decoder(tokenizer), sentence_coef=cfg.reward.sentence_coef,
+                    correct_threshold=cfg.reward.correct_threshold, compute_scores=compute_scores)
     held_out = None
     if eval_rows:
-        held_out = HeldOut(functools.partial(
+        score_held_out = functools.partial(
             evaluate, engine, scorer, eval_rows, prepared.eval_prompt_ids, dist,
             max_new_tokens=cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens,
-            batch_size=cfg.trainer.eval_batch_size))
+            batch_size=cfg.trainer.eval_batch_size)
+        held_out = lambda step: score_held_out()  # noqa: E731  (the same rows and engine after every step)
+    common = dict(policy=policy, sampler=sampler, pad_id=pad_id, log=log, checkpoints=checkpoints, evaluate=held_out)
     if cfg.stage == "sft":
-        parts = SFTParts(policy, prepared.examples, sampler, pad_id, log, checkpoints, evaluate=held_out)
+        parts = SFTParts(spec=sft_spec(cfg), examples=prepared.examples, **common)
     else:
-        parts = RLParts(policy, engine, sync_weights, reference, rows, prepared.prompt_ids, sampler, scorer, pad_id,
-                        log, checkpoints, evaluate=held_out, vocab_size=vocab_size)
-    return Run(parts, run_dir, log, checkpoints, held_out, engine, prepared)
+        parts = RLParts(spec=rl_spec(cfg, dist.world_size, vocab_size), engine=engine, sync_weights=sync_weights,
+                        reference_logprobs=reference, rows=rows, prompt_ids=prepared.prompt_ids, scorer=scorer,
+                        **common)
+    return Run(parts, run_dir, log, checkpoints, engine, prepared, pool)
+
+
+def logprob_spec(cfg: Config, vocab_size: int | None) -> LogprobSpec:
+    return LogprobSpec(temperature=cfg.rollout.temperature, chunk_size=cfg.model.logprob_chunk_size,
+                       packed=cfg.model.packed_logprobs, vocab_size=vocab_size)
+
+
+def loss_spec(cfg: Config) -> LossSpec:
+    """The loss of a micro-batch (grpo.losses.rl_loss), read from algorithm.* once."""
+    algo = cfg.algorithm
+    return LossSpec(mode=algo.policy_loss, clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
+                    ratio_level=algo.ratio_level, agg=algo.agg, max_len=cfg.rollout.max_new_tokens,
+                    kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef, kl_kind=algo.kl_kind,
+                    entropy_coef=algo.entropy_coef, tis_cap=algo.tis_cap, tis_level=algo.tis_level)
+
+
+def rl_spec(cfg: Config, world_size: int, vocab_size: int | None) -> RLSpec:
+    """What the RL loop reads, from the config once (grpo/parts.py). vocab_size: the ids the engines sample."""
+    algo, roll, trainer = cfg.algorithm, cfg.rollout, cfg.trainer
+    mini = algo.ppo_mini_batch_size
+    return RLSpec(
+        steps=trainer.steps, seed=cfg.seed,
+        sampling=Sampling(max_new_tokens=roll.max_new_tokens, temperature=roll.temperature, top_p=roll.top_p,
+                          top_k=roll.top_k, stop=tuple(roll.stop)),
+        batching=Batching(prompts_per_step=trainer.prompts_per_step, group_size=roll.n,
+                          prompts_per_mini_batch=None if mini is None else mini // world_size,  # verl's: all ranks
+                          ppo_epochs=algo.ppo_epochs, micro_batch_size=trainer.micro_batch_size,
+                          max_tokens=trainer.max_tokens_per_micro_batch),
+        logprobs=logprob_spec(cfg, vocab_size),
+        advantage=AdvantageSpec(estimator=algo.adv_estimator, eps=algo.adv_eps,
+                                max_len=roll.max_new_tokens, overlong_cache_len=algo.overlong_cache_len,
+                                overlong_factor=algo.overlong_factor, kl_in_reward=algo.kl_in_reward,
+                                kl_coef=algo.kl_coef if algo.kl_in_reward else 0.0, kl_kind=algo.kl_kind),
+        loss=loss_spec(cfg), dynamic_sampling=algo.dynamic_sampling, max_gen_batches=algo.max_gen_batches,
+        grad_clip=cfg.optim.grad_clip, max_consecutive_skips=trainer.max_consecutive_skips,
+        evaluation=Evaluation(every=trainer.eval_every, before=trainer.eval_before),
+        watch=Watch(truncation=trainer.warn_truncation, flat_groups=trainer.warn_flat_groups,
+                    after_steps=trainer.warn_after_steps))
+
+
+def sft_spec(cfg: Config) -> SFTSpec:
+    trainer = cfg.trainer
+    return SFTSpec(steps=trainer.steps, batch_size=trainer.sft_batch_size, micro_batch_size=trainer.micro_batch_size,
+                   chunk_size=cfg.model.logprob_chunk_size, grad_clip=cfg.optim.grad_clip,
+                   max_consecutive_skips=trainer.max_consecutive_skips,
+                   evaluation=Evaluation(every=trainer.eval_every, before=trainer.eval_before))

@@ -16,18 +16,19 @@ from pathlib import Path
 
 import torch
 
-from grpo.config import LoraConfig
-from grpo.parts import Collectives, Policy, Sampler
+from launch.schema import LoraConfig
+from grpo.parts import Collectives, Policy, Sampler, StepFailed
 
 
 @contextmanager
-def phase(name: str):
-    """Name the phase on an exception that leaves it (launch.train reports it with the step and the rank)."""
+def phase(name: str, step: int):
+    """A failure in it leaves as grpo.parts.StepFailed naming the phase and the step (launch.train adds the rank)."""
     try:
         yield
-    except Exception as error:
-        error.add_note(f"phase: {name}")
+    except StepFailed:
         raise
+    except Exception as error:
+        raise StepFailed(name, step, error) from error
 
 
 class Checkpointer:
@@ -62,7 +63,7 @@ class Checkpointer:
     def save(self, step: int) -> Path:
         """Write checkpoints/step_<step>, then delete the ones trainer.keep_last no longer keeps; RuntimeError,
         before anything is written, when a weight is not finite."""
-        with phase("checkpoint"):
+        with phase("checkpoint", step):
             target = self._write(step)
             if self.keep_last and self.dist.rank == 0:
                 self._delete_older(step)
@@ -102,7 +103,7 @@ class Checkpointer:
         """Record step `done` (1-based). True when a stop was requested (the loop breaks and `finish` writes
         the checkpoint); otherwise writes the periodic checkpoint when one is due (the last step's is `finish`'s)."""
         self.completed_steps = self.step = done
-        with phase("stop request"):
+        with phase("stop request", done):
             stop = self.stop_requested()
         if stop:
             return True

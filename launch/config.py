@@ -1,11 +1,13 @@
 """Reading a run's configuration: a YAML recipe plus `key.sub=value` overrides, checked against the schema
-(grpo/config.py: typed dataclasses, a docstring per field, choices and numeric ranges beside their fields).
+(launch/schema.py and grpo/config.py: typed dataclasses, a docstring per field, choices and numeric ranges beside
+their fields).
 
 Unknown keys, wrong types, values outside a field's choices and numbers outside a field's range fail with the
 key named (and, for a misspelt key, the closest valid key suggested).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import types
@@ -14,7 +16,8 @@ from pathlib import Path
 
 import yaml
 
-from grpo.config import Config, Range
+from grpo.config import Range
+from launch.schema import Config
 
 
 class ConfigError(ValueError):
@@ -101,10 +104,13 @@ def _set_dotted(tree: dict, dotted: str, value) -> None:
     tree[parts[-1]] = value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Read a YAML recipe (or the defaults) and apply `key.sub=value` overrides (values parsed as YAML)."""
+def load_config(path: str | Path | dict | None = None, overrides: list[str] = ()) -> Config:
+    """Read a YAML recipe (or a dict of its sections, or the defaults) and apply `key.sub=value` overrides (values
+    parsed as YAML)."""
     tree: dict = {}
-    if path is not None:
+    if isinstance(path, dict):
+        tree, path = copy.deepcopy(path), None
+    elif path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")

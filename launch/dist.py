@@ -55,14 +55,22 @@ class DistInfo:
         return self.rank % self.tp_size
 
 
+class CollectiveFailed(RuntimeError):
+    """One of the loops' collectives failed (the cause is chained), e.g. when trainer.collective_timeout_s passed:
+    launch.train names it beside the phase and the step."""
+
+    def __init__(self, collective: str):
+        super().__init__(collective)
+        self.collective = collective
+
+
 def _all_reduce(op):
     def reduce(tensor):
         tensor = tensor.clone()
         try:
             torch_dist.all_reduce(tensor, op=op)
-        except Exception as error:  # e.g. trainer.collective_timeout_s passed: launch.train names the collective
-            error.add_note(f"collective: all_reduce {op.name.lower()}")
-            raise
+        except Exception as error:
+            raise CollectiveFailed(f"all_reduce {op.name.lower()}") from error
         return tensor
     return reduce
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from grpo.config import Config
+from launch.schema import Config
 from launch.plan import Target, attention, own_engine_copy, precision, vllm_arguments
 
 

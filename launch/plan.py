@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo.config import Config
+from launch.schema import Config
 from launch.config import ConfigError
 from models.loading import choose_attention
 from rollout.vllm_engine import SLEEP_LEVEL

@@ -1,15 +1,16 @@
 """Every check a start makes before any model loads, in order of cost: settings that relate to each other, files,
-reward names, then (tokenizer only) prompt and SFT example lengths, the checkpoint to resume from and the reward
-workers. `launch.train --dry-run` runs exactly this and stops; launch/build.py runs it first, so a bad recipe
-fails in seconds and nothing is written to the run directory.
+reward names, then (tokenizer only) prompt and SFT example lengths and the checkpoint to resume from. Checks only
+check: registering rewards, environment variables and reward workers are launch/build.py's. `launch.train
+--dry-run` runs exactly this and stops; launch/build.py runs it first, so a bad recipe fails in seconds and
+nothing is written to the run directory.
 """
 from __future__ import annotations
 
-import os
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo.config import Config
+from launch.schema import Config
 from launch.config import ConfigError
 
 
@@ -26,12 +27,18 @@ def _read_rows(files: list[str], key: str) -> list[dict]:
     return rows
 
 
-def _check_rewards(cfg: Config) -> None:
-    """Register reward.functions by path and check the reward section's files (the corpus index)."""
+def _check_rewards(cfg: Config) -> dict:
+    """The reward section: each reward.functions path resolves to a function, the extractor settings exist, the
+    corpus index is a complete one. Returns {data_source: function} of reward.functions (registered by
+    launch.build, not here: a check only checks)."""
     import rewards
     from launch.triples import check_reward_config
+    named = {}
     for data_source, dotted in cfg.reward.functions.items():
-        rewards.register(data_source, rewards.get_reward(dotted), overwrite=True)
+        try:
+            named[data_source] = rewards.get_reward(dotted)
+        except ValueError as error:
+            raise ConfigError(f"reward.functions.{data_source}: {error}") from None
     check_reward_config(cfg.reward)
     if cfg.reward.corpus_index is not None:
         if not Path(cfg.reward.corpus_index).is_dir():
@@ -42,7 +49,7 @@ def _check_rewards(cfg: Config) -> None:
             check_index(Path(cfg.reward.corpus_index))
         except (OSError, ValueError) as error:
             raise ConfigError(f"reward.corpus_index: {error}") from None
-        os.environ["NANOGRPO_CORPUS_INDEX"] = str(cfg.reward.corpus_index)
+    return named
 
 
 NEEDED_TORCH = (2, 8)  # FSDP2's set_gradient_divide_factor and set_force_sum_reduction_for_comms
@@ -79,7 +86,7 @@ def check_versions(cfg: Config, torch_version: str | None = None, vllm_version: 
 
 def _check_settings(cfg: Config, world_size: int = 1, target=None) -> None:
     """Checks that relate settings to each other (each numeric setting's own range is checked when the config
-    is read: grpo/config.py declares it beside the field), and what the target (launch.plan.Target; default
+    is read: launch/schema.py declares it beside the field), and what the target (launch.plan.Target; default
     this machine) cannot run."""
     from launch.plan import Target, check_plan
     check_plan(cfg, target or Target.here(world_size))
@@ -99,6 +106,9 @@ def _check_settings(cfg: Config, world_size: int = 1, target=None) -> None:
     if cfg.reward.timeout_s is not None and cfg.reward.num_workers == 0:
         raise ConfigError(f"reward.timeout_s={cfg.reward.timeout_s} needs reward.num_workers >= 1: a reward call "
                           "that hangs inside the training process cannot be abandoned")
+    if tcfg.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"trainer.wandb_project={tcfg.wandb_project} needs Weights & Biases: pip install wandb "
+                          f"(or set trainer.wandb_project=null)")
     if cfg.init_from is not None and not Path(cfg.init_from).is_dir():
         raise ConfigError(f"init_from: checkpoint directory not found: {cfg.init_from}")
 
@@ -169,23 +179,34 @@ def startup_warnings(cfg: Config) -> list[str]:
     return warnings
 
 
-def check_config(cfg: Config, dist) -> tuple[list[dict], list[dict]]:
-    """Checks that need no tokenizer or model: settings, files, reward names. Returns (train rows, eval rows)."""
+def check_config(cfg: Config, dist, *, rows: list[dict] | None = None,
+                 eval_rows: list[dict] | None = None) -> tuple[list[dict], list[dict]]:
+    """Checks that need no tokenizer or model: settings, files, reward names. rows / eval_rows given in memory
+    (launch.api.train) take the place of data.train_files / data.eval_files. Returns (train rows, eval rows)."""
     import rewards
+    from data.rows import validate_row
     _check_settings(cfg, dist.world_size)
     check_versions(cfg)
-    _check_rewards(cfg)
-    if not cfg.data.train_files:
-        raise ConfigError("data.train_files is empty: name at least one rows file (JSONL or Parquet)")
-    rows = _read_rows(cfg.data.train_files, "data.train_files")
-    eval_rows = _read_rows(cfg.data.eval_files, "data.eval_files")
+    named = _check_rewards(cfg)
+    if rows is None:
+        if not cfg.data.train_files:
+            raise ConfigError("data.train_files is empty: name at least one rows file (JSONL or Parquet)")
+        rows = _read_rows(cfg.data.train_files, "data.train_files")
+    if eval_rows is None:
+        eval_rows = _read_rows(cfg.data.eval_files, "data.eval_files")
+    for key, given in (("train_rows", rows), ("eval_rows", eval_rows)):
+        for index, row in enumerate(given):
+            try:
+                validate_row(row, f"{key}[{index}]")
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
     if cfg.data.eval_size:
         eval_rows = eval_rows[: cfg.data.eval_size]
     if not rows:
         raise ConfigError(f"data.train_files: no rows in {cfg.data.train_files}")
     for row in rows + eval_rows:
         try:
-            rewards.get_reward(row["data_source"])
+            named.get(row["data_source"]) or rewards.get_reward(row["data_source"])
         except ValueError as error:
             raise ConfigError(f"data: row index {row.get('extra_info', {}).get('index')} has data_source "
                               f"{row['data_source']!r} with no reward function: {error}") from None
@@ -194,7 +215,7 @@ def check_config(cfg: Config, dist) -> tuple[list[dict], list[dict]]:
                               f"{row.get('extra_info', {}).get('index')} has none")
     if len(rows) < dist.world_size:
         raise ConfigError(f"data.train_files: {len(rows)} rows cannot feed world size {dist.world_size}")
-    return rows, eval_rows
+    return list(rows), list(eval_rows)
 
 
 def _tokenize_prompts(cfg: Config, tokenizer, rows: list[dict], key: str) -> list[list[int]]:
@@ -219,28 +240,6 @@ def _sft_examples(cfg: Config, tokenizer, rows: list[dict], prompt_ids: list[lis
     return examples
 
 
-def _start_reward_pool(cfg: Config, rows: list[dict]):
-    """The reward workers (reward.num_workers), started, once each data source of `rows` resolves to the same
-    function in them as here."""
-    import rewards
-    from launch.reward_pool import RewardPool, function_identity
-    sources = sorted({row["data_source"] for row in rows})
-    pool = RewardPool(cfg.reward, sources)
-    try:
-        theirs = pool.start()
-        ours = {source: function_identity(rewards.get_reward(source)) for source in sources}
-        for source in sources:
-            if theirs.get(source) != ours[source]:
-                raise ConfigError(
-                    f"reward.num_workers={cfg.reward.num_workers}: data_source {source!r} is {ours[source]} here but "
-                    f"{theirs.get(source)} in the reward workers (a reward registered in code does not reach a new "
-                    f"process): name it by path in reward.functions, or set reward.num_workers=0")
-    except BaseException:
-        pool.close()
-        raise
-    return pool
-
-
 @dataclass(frozen=True)
 class Prepared:
     """What the checks produced, for launch/build.py."""
@@ -253,20 +252,16 @@ class Prepared:
     source: str | None  # the model the run starts from: init_from, else model.name_or_path (None: embedded)
     source_key: str  # which of the two keys named it
     latest: Path | None  # the checkpoint to resume from (trainer.resume)
-    reward_pool: object | None  # launch.reward_pool.RewardPool, started; None scores in this process
     warnings: list[str]  # startup_warnings: printed once the run log exists
 
-    def close(self) -> None:
-        if self.reward_pool is not None:
-            self.reward_pool.close()
 
-
-def prepare(cfg: Config, dist) -> Prepared:
-    """Every check a start makes before the model loads; ConfigError naming the key, file or row otherwise."""
+def prepare(cfg: Config, dist, *, rows: list[dict] | None = None, eval_rows: list[dict] | None = None) -> Prepared:
+    """Every check a start makes before the model loads; ConfigError naming the key, file or row otherwise.
+    rows / eval_rows: given in memory instead of data.train_files / data.eval_files (check_config)."""
     from models import load_tokenizer, resolve_model_dir
     from models.checkpoint import latest_checkpoint
 
-    rows, eval_rows = check_config(cfg, dist)
+    rows, eval_rows = check_config(cfg, dist, rows=rows, eval_rows=eval_rows)
     directory = Path(cfg.trainer.out_dir) / cfg.trainer.run_name / "checkpoints"
     latest = latest_checkpoint(directory) if cfg.trainer.resume != "never" else None
     if cfg.trainer.resume == "always" and latest is None:
@@ -288,6 +283,5 @@ def prepare(cfg: Config, dist) -> Prepared:
                           f"can hold: {longest} tokens (the longest prompt + rollout.max_new_tokens)")
     eval_prompt_ids = _tokenize_prompts(cfg, tokenizer, eval_rows, "data.eval_files")
     examples = _sft_examples(cfg, tokenizer, rows, prompt_ids) if cfg.stage == "sft" else []
-    pool = _start_reward_pool(cfg, rows + eval_rows) if cfg.reward.num_workers else None
-    return Prepared(rows, eval_rows, tokenizer, prompt_ids, eval_prompt_ids, examples, source, key, latest, pool,
+    return Prepared(rows, eval_rows, tokenizer, prompt_ids, eval_prompt_ids, examples, source, key, latest,
                     startup_warnings(cfg))

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # a worker imports this module: it stays free of torch (grpo.config imports it)
-    from grpo.config import RewardConfig
+if TYPE_CHECKING:  # a worker imports this module: it stays free of torch (launch.schema imports it)
+    from launch.schema import RewardConfig
 
 START_TIMEOUT_S = 300.0  # a worker imports the rewards (and, for a model triple extractor, loads an LM)
 
@@ -55,7 +55,7 @@ def _serve(connection, reward: dict, data_sources: list[str]) -> None:
             rewards.register(data_source, rewards.get_reward(dotted), overwrite=True)
         identities = {source: function_identity(rewards.get_reward(source)) for source in data_sources}
         if (reward["triple_extractor"], reward["cooccurrence_semantics"]) != ("rule", "engine"):
-            from grpo.config import RewardConfig  # not the registered default: build it here too
+            from launch.schema import RewardConfig  # not the registered default: build it here too
             from launch.triples import install_factqa_reward
             install_factqa_reward(RewardConfig(**reward))
     except Exception as error:

@@ -19,14 +19,22 @@ def _jsonable(value):
 
 
 class RunLog:
+    """wandb_project: also log every step's numbers to Weights & Biases (imported only then; WANDB_MODE=offline
+    writes the run under run_dir/wandb without a network), with `config` as the run's configuration."""
+
     def __init__(self, run_dir: Path, *, total_steps: int, start_step: int = 0, enabled: bool = True,
-                 description: str = "train"):
+                 description: str = "train", wandb_project: str | None = None, config: dict | None = None):
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self.bar = None
         self.tensorboard = None
+        self.wandb = None
         if not enabled:
             return
+        if wandb_project:
+            import wandb
+            self.wandb = wandb.init(project=wandb_project, name=self.run_dir.name, dir=str(self.run_dir),
+                                    config=config, resume="allow")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.bar = tqdm(total=total_steps, initial=start_step, desc=description, dynamic_ncols=True,
                         file=sys.stderr)
@@ -42,10 +50,12 @@ class RunLog:
         record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
         with open(self.run_dir / "metrics.jsonl", "a") as file:
             file.write(json.dumps(record) + "\n")
+        numbers = {key: value for key, value in metrics.items() if isinstance(value, (int, float))}
         if self.tensorboard is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)):
-                    self.tensorboard.add_scalar(key, value, step)
+            for key, value in numbers.items():
+                self.tensorboard.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(numbers, step=step)
         self.bar.set_postfix({k: f"{metrics[k]:.3f}" for k in postfix_keys if k in metrics})
         self.bar.update(1)
 
@@ -69,6 +79,9 @@ class RunLog:
             self.bar.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
 
 
 def truncate_metrics_file(run_dir: Path, after_step: int) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import yaml
 
-from grpo.config import Config
+from launch.schema import Config
 from launch.config import ConfigError, load_config, to_dict
 
 
@@ -102,13 +102,16 @@ _COLLECTIVE_HINTS = (("timed out", "a collective waited longer than trainer.coll
 
 
 def describe_failure(error: BaseException, *, rank: int, step: int | None, collective_timeout_s: float) -> str:
-    """'<phase> failed at step <n> on rank <r>: <error>', the phase taken from the error's "phase: ..." note
-    (grpo.trainer.timed, launch.checkpointing.phase), else "training step" (or "start-up" before the loop), and
-    the collective when one of launch.dist's failed ("collective: ..." note)."""
-    notes = getattr(error, "__notes__", [])
-    phases = [note[len("phase: "):] for note in notes if note.startswith("phase: ")]
-    phase = phases[0] if phases else ("training step" if step is not None else "start-up")
-    phase += "".join(f" ({note[len('collective: '):]})" for note in notes[:1] if note.startswith("collective: "))
+    """'<phase> failed at step <n> on rank <r>: <error>': the phase and step of a grpo.parts.StepFailed (the loops'
+    phases, held-out evaluation, checkpoint), else "training step" at `step` (or "start-up" before the loop), and
+    the collective when one of launch.dist's failed (launch.dist.CollectiveFailed)."""
+    from grpo.parts import StepFailed
+    from launch.dist import CollectiveFailed
+    phase = "training step" if step is not None else "start-up"
+    if isinstance(error, StepFailed):
+        phase, step, error = error.phase, error.step, error.__cause__
+    if isinstance(error, CollectiveFailed):
+        phase, error = f"{phase} ({error.collective})", error.__cause__
     where = f"at step {step}" if step is not None else "at start-up"
     text = f"{type(error).__name__}: {error}"
     hints = [hint.format(timeout=collective_timeout_s) for marker, hint in _COLLECTIVE_HINTS if marker in text.lower()
@@ -123,7 +126,8 @@ def _jsonable(result: dict) -> dict:
             "values": {k: [clean(x) for x in v] for k, v in result["values"].items()}}
 
 
-def run(cfg: Config, dist, *, resume: bool = False) -> dict:
+def run(cfg: Config, dist, *, resume: bool = False, rows: list[dict] | None = None,
+        eval_rows: list[dict] | None = None) -> dict:
     """Build, score the held-out rows before, train, score after. Returns {"run_dir", "before", "after"} (the
     held-out results: count, means with 95% intervals, per-prompt values), or "interrupted" (steps done) and
     "signal" (the stop signal's number). A failure after start-up raises RunFailed naming phase, step and rank."""
@@ -143,7 +147,7 @@ def run(cfg: Config, dist, *, resume: bool = False) -> dict:
 
         built = None
         try:
-            built = build(cfg, dist, resume=resume, stop_requested=stop)
+            built = build(cfg, dist, resume=resume, stop_requested=stop, rows=rows, eval_rows=eval_rows)
             summary = _train(cfg, dist, built, train_sft if cfg.stage == "sft" else train_rl)
         except (ConfigError, KeyboardInterrupt):
             raise
@@ -160,15 +164,13 @@ def run(cfg: Config, dist, *, resume: bool = False) -> dict:
 
 
 def _train(cfg: Config, dist, built, loop) -> dict:
-    held_out, start = built.held_out, built.checkpoints.start_step
-    summary = {"run_dir": str(built.run_dir), "before": {}}
-    if held_out is not None and cfg.trainer.eval_before:
-        summary["before"] = _jsonable(held_out.result(start))
-    summary["final"] = loop(cfg, dist, built.parts)
+    result = loop(built.parts, dist)
+    summary = {"run_dir": str(built.run_dir), "final": result["final"],
+               "before": _jsonable(result["before"]) if "before" in result else {}}
     if built.checkpoints.completed_steps < cfg.trainer.steps:
         summary["interrupted"] = built.checkpoints.completed_steps
         return summary
-    summary["after"] = _jsonable(held_out.result(cfg.trainer.steps)) if held_out is not None else {}
+    summary["after"] = _jsonable(result["after"]) if "after" in result else {}
     if dist.is_main:
         (built.run_dir / "eval.json").write_text(json.dumps({k: summary[k] for k in ("before", "after")}, indent=1))
     if built.engine is not None:
@@ -190,7 +192,6 @@ def _dry_run(cfg: Config, dist, args: argparse.Namespace) -> None:
     if target == here:
         from models import resolve_model_dir
         prepared = prepare(cfg, dist)
-        prepared.close()
         warnings, summary = prepared.warnings, _prepared_summary(cfg, prepared)
         model = str(resolve_model_dir(prepared.source))
     else:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from grpo.config import RewardConfig
+from launch.schema import RewardConfig
 from launch.config import ConfigError
 
 EXTRACTORS = ("rule", "model")

@@ -77,9 +77,9 @@ def file_size_limit_after_saves(saves: int, limit_bytes: int) -> None:
 def nonfinite_losses(monkeypatch, steps: set[int], calls_per_step: int) -> None:
     """Make the RL loop's loss infinite in the given 0-based steps; the loop computes `calls_per_step`
     micro-batch losses per step (one per micro-batch per PPO epoch)."""
-    import grpo.trainer as trainer
+    import grpo.update as update
 
-    original, calls = trainer.micro_batch_loss, [0]
+    original, calls = update.rl_loss, [0]
 
     def loss(*args, **kwargs):
         value, metrics = original(*args, **kwargs)
@@ -87,7 +87,7 @@ def nonfinite_losses(monkeypatch, steps: set[int], calls_per_step: int) -> None:
         calls[0] += 1
         return (value * float("inf") if step in steps else value), metrics
 
-    monkeypatch.setattr(trainer, "micro_batch_loss", loss)
+    monkeypatch.setattr(update, "rl_loss", loss)
 
 
 def main(argv: list[str]) -> int:

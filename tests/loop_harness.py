@@ -97,7 +97,7 @@ ROWS = 8
 # mini-batches of one prompt make the 1 rank's k-th mini-batch of two).
 CASES = {
     "plain": [],
-    "batch_std": ["algorithm.adv_scale=batch"],
+    "batch_std": ["algorithm.adv_estimator=batch_std"],
     "sentences": ["reward.functions={tests_vowels: 'rewards_for_tests:vowel_sentences'}", "reward.sentence_coef=2.0",
                   "algorithm.agg=seq-mean-token-mean"],
     # Rows 0-3 in order: rows 0 and 2 have constant correctness (2's rewards still vary), so they are fillers.
@@ -109,7 +109,7 @@ CASES = {
                      "algorithm.entropy_coef=0.01", "algorithm.clip_high=0.28", "optim.lr=0.1"],
     "gspo_kl_in_reward": ["trainer.steps=2", "algorithm.ratio_level=sequence", "algorithm.clip_low=3e-4",
                           "algorithm.clip_high=4e-4", "algorithm.agg=seq-mean-token-mean", "algorithm.kl_coef=0.1",
-                          "algorithm.kl_in_reward=true", "algorithm.adv_scale=batch"],
+                          "algorithm.kl_in_reward=true", "algorithm.adv_estimator=batch_std"],
     "token_budget": ["trainer.max_tokens_per_micro_batch=128"],
 }
 WORDS = ["idea", "xyz", "queue", "rst", "aeiou", "bcd"]
@@ -167,7 +167,7 @@ def run_case(overrides: list[str], dist) -> tuple[dict, list]:
 
     log = MemoryLog()
     parts = scripted_parts(built.parts, ScriptedEngine(script), lr=cfg.optim.lr, log=log)
-    train_rl(cfg, dist, parts)
+    train_rl(parts, dist)
     built.log.close()
     weights = {name: tensor.clone() for name, tensor in fsdp.full_state_dict(parts.policy.model)}
     return weights, [metrics for _, metrics in log.steps]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo.config import Config, Range
+from grpo.config import Range
+from launch.schema import Config
 from launch.config import ConfigError, load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "launch" / "configs"

@@ -5,7 +5,7 @@ import json
 import pytest
 
 import rewards
-from grpo.config import RewardConfig
+from launch.schema import RewardConfig
 from launch.config import ConfigError
 from launch.triples import factqa_reward_for, install_factqa_reward, model_generate_fn
 from rewards.corpus import build_index

@@ -159,10 +159,8 @@ def test_step_metrics_and_their_reduction_over_ranks():
 
 
 def test_no_signal_warnings_need_a_streak():
-    class Trainer:
-        warn_truncation, warn_flat_groups, warn_after_steps = 0.5, 0.9, 2
-
-    watch = NoSignalWatch(Trainer(), kl_coef=0.0)
+    from grpo.parts import Watch
+    watch = NoSignalWatch(Watch(truncation=0.5, flat_groups=0.9, after_steps=2), kl_coef=0.0)
     assert watch.update({"flat_group_frac": 1.0, "truncation_rate": 0.0}, 1) == [
         "step 1: zero learning signal -- every group's rewards are identical"]
     second = watch.update({"flat_group_frac": 1.0, "truncation_rate": 0.6}, 2)

@@ -10,6 +10,7 @@ from data.sampler import PromptSampler
 from grpo.parts import Policy, RLParts
 from grpo.scoring import Scorer
 from grpo.trainer import train_rl
+from launch.build import rl_spec
 from launch.config import load_config
 from launch.dist import DistInfo
 from loop_harness import MemoryLog, NoCheckpoints, ScriptedEngine, sgd_policy
@@ -62,21 +63,22 @@ def run_update(*overrides, answers=ANSWERS, optimizer_steps=None) -> tuple[torch
     """One RL step on the constant policy from w = 0 with SGD at lr 1; returns (w after, logged metrics).
     optimizer_steps: a list that gets one entry per optimizer step taken."""
     cfg = load_config(None, ["rollout.n=2", "rollout.max_new_tokens=2", "trainer.prompts_per_step=2",
-                             "trainer.steps=1", "algorithm.adv_scale=none", "algorithm.clip_low=0.2",
+                             "trainer.steps=1", "algorithm.adv_estimator=dr_grpo", "algorithm.clip_low=0.2",
                              "algorithm.clip_high=0.2", "algorithm.agg=token-mean", *overrides])
     model = ConstantPolicy([0.0, 0.0, 0.0])
     engine = ScriptedEngine(lambda prompt: [([LETTERS.index(c) for c in text], text) for text in answers[prompt[0]]])
     decode = lambda ids: ["".join(LETTERS[i] for i in ids[:k]) for k in range(len(ids) + 1)]  # noqa: E731
     placeholder = torch.optim.SGD(model.parameters(), lr=0.0)
     log = MemoryLog()
-    parts = RLParts(policy=sgd_policy(Policy(model, placeholder, None), lr=1.0), engine=engine,
+    parts = RLParts(spec=rl_spec(cfg, 1, None), policy=sgd_policy(Policy(model, placeholder, None), lr=1.0),
+                    engine=engine,
                     sync_weights=lambda: {}, reference_logprobs=None, rows=ROWS, prompt_ids=[[0], [1]],
                     sampler=PromptSampler(2, seed=0, shuffle=False), scorer=Scorer(exact_match, decode), pad_id=0,
                     log=log, checkpoints=NoCheckpoints())
     if optimizer_steps is not None:
         step = parts.policy.optimizer.step
         parts.policy.optimizer.step = lambda *args, **kwargs: (optimizer_steps.append(1), step(*args, **kwargs))[1]
-    train_rl(cfg, DistInfo(), parts)
+    train_rl(parts, DistInfo())
     return model.lm_head.weight.detach()[:, 0].double(), log.steps
 
 

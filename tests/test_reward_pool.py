@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import rewards
-from grpo.config import Config, RewardConfig
+from launch.schema import Config, RewardConfig
 from grpo.scoring import Scorer
 from launch.config import ConfigError
 from launch.reward_pool import RewardPool
@@ -105,7 +105,7 @@ def test_worker_crash_is_a_named_error(pools):
 
 
 def test_reward_registered_in_code_is_refused_at_start_up():
-    from launch.preflight import _start_reward_pool
+    from launch.build import _start_reward_pool
     builtin = rewards.get_reward("verifier")
     cfg = Config()
     cfg.reward.num_workers = 1

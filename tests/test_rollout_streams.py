@@ -12,6 +12,7 @@ from data.sampler import PromptSampler
 from grpo.parts import Policy, RLParts
 from grpo.scoring import Scorer
 from grpo.trainer import train_rl
+from launch.build import rl_spec
 from launch.config import load_config
 from launch.dist import DistInfo
 from loop_harness import MemoryLog, NoCheckpoints, sgd_policy
@@ -56,12 +57,13 @@ def _train(dist, engine, *overrides, log=None):
     model = ConstantPolicy([0.0, 0.0, 0.0])
     decode = lambda ids: ["".join(LETTERS[i] for i in ids[:k]) for k in range(len(ids) + 1)]  # noqa: E731
     exact = lambda source, text, truth, extra=None: float(text == truth)  # noqa: E731
-    parts = RLParts(policy=sgd_policy(Policy(model, torch.optim.SGD(model.parameters(), lr=0.0), None), lr=0.1),
+    parts = RLParts(spec=rl_spec(cfg, dist.world_size, None),
+                    policy=sgd_policy(Policy(model, torch.optim.SGD(model.parameters(), lr=0.0), None), lr=0.1),
                     engine=engine, sync_weights=lambda: {}, reference_logprobs=None, rows=rows,
                     prompt_ids=[[i % 3] for i in range(8)],
                     sampler=PromptSampler(8, seed=0, rank=dist.dp_rank, world_size=dist.dp_size),
                     scorer=Scorer(exact, decode), pad_id=0, log=log or MemoryLog(), checkpoints=NoCheckpoints())
-    train_rl(cfg, dist, parts)
+    train_rl(parts, dist)
     return engine.requests
 
 
