@@ -1,8 +1,9 @@
 """The SFT loop (cold start before RL): next-token loss on completion tokens only, read top to bottom.
 
 Batches are padded (prompt left, completion right: the same layout as the RL passes), the loss is the mean
-over the completion tokens of the whole step (all micro-batches and ranks), so gradient accumulation does
-not change the gradient; the learning rate follows warmup + constant/linear/cosine.
+over the completion tokens of the whole step (all micro-batches and ranks; grpo.losses' "token-mean"
+aggregation, as the RL loss's), so gradient accumulation does not change the gradient; the learning rate
+follows warmup + constant/linear/cosine.
 """
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ import torch
 
 from grpo.config import Config
 from grpo.evaluate import evaluation_due
+from grpo.losses import aggregate, loss_denominator
 from grpo.parts import Collectives, SFTParts
 from grpo.update import optimizer_step
 from models.batching import pad_batch
 from models.logprobs import completion_logprobs
+
+SFT_AGG = "token-mean"  # every completion token of the step weighs the same
 
 
 def train_sft(cfg: Config, dist: Collectives, parts: SFTParts) -> dict:
@@ -33,13 +37,13 @@ def train_sft(cfg: Config, dist: Collectives, parts: SFTParts) -> dict:
                              [c for _, c in examples[s:s + tcfg.micro_batch_size]], parts.pad_id)
                    for s in range(0, len(examples), tcfg.micro_batch_size)]
         # Global token count of the step: every token weighs the same however the batch is split.
-        local_tokens = sum(batch["completion_mask"].sum() for batch in batches)
+        local_tokens = sum(loss_denominator(batch["completion_mask"], SFT_AGG) for batch in batches)
         num_tokens = dist.all_reduce_sum(torch.as_tensor(local_tokens, dtype=torch.float32,
                                                          device=dist.device))
         loss_sum = 0.0
         for batch in batches:
             logprobs, _ = completion_logprobs(model, batch, chunk_size=cfg.model.logprob_chunk_size)
-            loss = -(logprobs * batch["completion_mask"].to(logprobs.dtype)).sum() / num_tokens.clamp(min=1)
+            loss = aggregate(-logprobs, batch["completion_mask"], SFT_AGG, denominator=num_tokens)
             loss.backward()
             loss_sum += float(loss.detach())
         lr = scheduler.get_last_lr()[0]
