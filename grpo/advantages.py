@@ -1,11 +1,16 @@
-"""Group-relative advantages (GRPO, Dr. GRPO) for outcome rewards and for token-shaped returns.
+"""Advantage estimators behind one registry: GRPO, Dr. GRPO and the batch-std variant for outcome rewards and
+token-shaped returns; RLOO and REINFORCE++ for outcome rewards.
 
-Conventions (DESIGN.md): std with Bessel's correction, eps = 1e-6, and a group whose returns are all equal
-gets exactly 0 -- zeroed explicitly, because float32 alone gives 0.056 for eight rewards of 0.7.
-scale="batch" divides by the std of the whole batch; under torchrun the batch spans every rank, so the loop
-sums `batch_moments` over ranks and passes `moments_std` of them in as `batch_std` (the math stays pure).
+Conventions: std with Bessel's correction, eps = 1e-6, and a group whose returns are all equal gets exactly 0 --
+zeroed explicitly, because float32 alone gives 0.056 for eight rewards of 0.7. An estimator whose statistics
+span the batch (batch_std, reinforce_pp) receives the sum over ranks as an argument, `all_reduce_sum`, so the
+math stays pure and one process is the same code with the identity. Shapes: P prompts, G completions per prompt
+(group_size), B = P * G sequences, T response tokens.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -51,6 +56,16 @@ def batch_moments(values: Tensor, weights: Tensor | None = None) -> Tensor:
     return torch.stack([keep.sum(), (keep * values).sum(), (keep * values.square()).sum()])
 
 
+def _moments_var(moments: Tensor) -> Tensor:
+    """Bessel-corrected variance (S2 - S1^2 / n) / (n - 1) from (count, sum, sum of squares) [3], clamped at 0
+    against rounding; 0 for n <= 1. Returns a 0-dim float64 tensor."""
+    check_ndim(moments, "moments", 1)
+    count, total, squares = moments.to(torch.float64).unbind()
+    if count <= 1:
+        return torch.zeros((), dtype=torch.float64)
+    return ((squares - total * total / count) / (count - 1)).clamp(min=0)
+
+
 def moments_std(moments: Tensor) -> Tensor:
     """Bessel-corrected std from summed (count, sum, sum of squares) [3]: sqrt((S2 - S1^2 / n) / (n - 1)),
     clamped at 0 against rounding; 0 for n <= 1. Returns a 0-dim float64 tensor.
@@ -58,11 +73,7 @@ def moments_std(moments: Tensor) -> Tensor:
     >>> moments_std(torch.tensor([4.0, 3.0, 3.0], dtype=torch.float64))  # [1, 0, 1, 1]: sqrt(.75 / 3)
     tensor(0.5000, dtype=torch.float64)
     """
-    check_ndim(moments, "moments", 1)
-    count, total, squares = moments.to(torch.float64).unbind()
-    if count <= 1:
-        return torch.zeros((), dtype=torch.float64)
-    return ((squares - total * total / count) / (count - 1)).clamp(min=0).sqrt()
+    return _moments_var(moments).sqrt()
 
 
 def _scale(grouped: Tensor, scale: str, batch_std: Tensor | float | None) -> Tensor:
@@ -157,15 +168,152 @@ def shaped_advantages(
     return advantages * mask
 
 
-# --- TEMP-MERGE: stand-in for the estimator registry being written beside this branch (take theirs on merge) ---
-ESTIMATOR_NAMES = ("grpo", "dr_grpo", "batch_std")
+# ---------------------------------------------------------------------------------------------------------------
+# The registry: one signature for every estimator, one call (compute_advantages) for the loop.
+
+AllReduceSum = Callable[[Tensor], Tensor]
+WHITEN_EPS = 1e-8  # REINFORCE++'s whitening: (x - mean) * rsqrt(var + 1e-8), verl's masked_whiten
 
 
-def compute_advantages(estimator, rewards, token_shaping, mask, group_size, *, eps=1e-6, weights=None,
-                       all_reduce_sum=lambda tensor: tensor):
-    scale = {"grpo": "group", "dr_grpo": "none", "batch_std": "batch"}[estimator]
-    batch_std = None
-    if scale == "batch":
-        moments = batch_moments(completion_returns(rewards, token_shaping, mask), weights)
-        batch_std = moments_std(all_reduce_sum(moments))
-    return shaped_advantages(rewards, token_shaping, mask, group_size, scale=scale, eps=eps, batch_std=batch_std)
+@dataclass(frozen=True)
+class Estimator:
+    """A registered estimator: `fn` with the signature below, and whether it is defined for token-shaped returns
+    (token_returns=False: outcome rewards only; compute_advantages refuses a non-zero token_shaping)."""
+    fn: Callable[..., Tensor]
+    token_returns: bool
+
+
+ESTIMATORS: dict[str, Estimator] = {}
+
+
+def register_estimator(name: str, *, token_returns: bool) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
+    """Register `fn(rewards, token_shaping, mask, group_size, *, eps, weights, all_reduce_sum) -> [B, T]` as
+    estimator `name` (verl's register_adv_est). Every estimator takes the same arguments, used or not:
+
+    rewards:        [B] float, outcome reward R_i of each completion (P consecutive groups of G).
+    token_shaping:  [B, T] float, per-token shaping of the return (sentence rewards; zero without them).
+    mask:           [B, T] 0/1, completion tokens (filler rows of dynamic sampling are 0).
+    group_size:     G.
+    eps:            the std's eps where the estimator divides by one.
+    weights:        [B] 0/1 or None: 0 marks filler groups of dynamic sampling (loss weight 0), which must not
+                    set any batch statistic.
+    all_reduce_sum: sums a tensor over ranks (the identity in one process); called exactly once by an estimator
+                    with batch-wide statistics and never by the others, so every rank issues the same collectives.
+    Returns advantages [B, T], 0 on padding.
+    """
+    def decorator(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        if name in ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ESTIMATORS[name] = Estimator(fn, token_returns)
+        return fn
+    return decorator
+
+
+@register_estimator("grpo", token_returns=True)
+def grpo_advantages(rewards: Tensor, token_shaping: Tensor, mask: Tensor, group_size: int, *, eps: float,
+                    weights: Tensor | None, all_reduce_sum: AllReduceSum) -> Tensor:
+    """GRPO (Shao et al. 2024, DeepSeekMath): (G_i(t) - mean_g) / (std_g + eps), the group's Bessel std.
+    shaped_advantages(scale="group"); per-rank by construction (a group never spans two ranks)."""
+    return shaped_advantages(rewards, token_shaping, mask, group_size, scale="group", eps=eps)
+
+
+@register_estimator("dr_grpo", token_returns=True)
+def dr_grpo_advantages(rewards: Tensor, token_shaping: Tensor, mask: Tensor, group_size: int, *, eps: float,
+                       weights: Tensor | None, all_reduce_sum: AllReduceSum) -> Tensor:
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training"): G_i(t) - mean_g, no std (dividing by
+    it up-weights prompts that are nearly always or nearly never solved). shaped_advantages(scale="none")."""
+    return shaped_advantages(rewards, token_shaping, mask, group_size, scale="none", eps=eps)
+
+
+@register_estimator("batch_std", token_returns=True)
+def batch_std_advantages(rewards: Tensor, token_shaping: Tensor, mask: Tensor, group_size: int, *, eps: float,
+                         weights: Tensor | None, all_reduce_sum: AllReduceSum) -> Tensor:
+    """Group mean, batch std (the pairing "Tricks or Traps? A Deep Dive into RL for LLM Reasoning", Liu et al.
+    2025, recommends): (G_i(t) - mean_g) / (std_batch + eps), std_batch over every rank's batch. The std is of
+    the completions' mean returns (completion_returns) whose weight is non-zero, from (count, sum, sum of
+    squares) summed over ranks in float64 by one all_reduce_sum. shaped_advantages(scale="batch")."""
+    moments = batch_moments(completion_returns(rewards, token_shaping, mask), weights)
+    batch_std = moments_std(all_reduce_sum(moments).to(moments.device))
+    return shaped_advantages(rewards, token_shaping, mask, group_size, scale="batch", eps=eps, batch_std=batch_std)
+
+
+@register_estimator("rloo", token_returns=False)
+def rloo_advantages(rewards: Tensor, token_shaping: Tensor, mask: Tensor, group_size: int, *, eps: float,
+                    weights: Tensor | None, all_reduce_sum: AllReduceSum) -> Tensor:
+    """RLOO (Kool et al. 2019; Ahmadian et al. 2024): each completion's baseline is the mean of the OTHER G - 1
+    rewards of its group, A_i = r_i - (sum_g - r_i) / (G - 1) = G / (G - 1) * (r_i - mean_g), broadcast over
+    the mask. No division by a std (eps unused); a flat group gets exactly 0 (group_advantages zeroes it).
+
+    >>> rloo_advantages(torch.tensor([0.0, 1.0, 1.0]), torch.zeros(3, 2), torch.tensor([[1, 1], [1, 0], [1, 1]]),
+    ...                 3, eps=1e-6, weights=None, all_reduce_sum=lambda t: t)  # baselines 1, .5, .5
+    tensor([[-1.0000, -1.0000],
+            [ 0.5000,  0.0000],
+            [ 0.5000,  0.5000]])
+    """
+    leave_one_out = group_advantages(rewards, group_size, scale="none") * (group_size / (group_size - 1))
+    return leave_one_out[:, None] * mask.to(leave_one_out.dtype)
+
+
+@register_estimator("reinforce_pp", token_returns=False)
+def reinforce_pp_advantages(rewards: Tensor, token_shaping: Tensor, mask: Tensor, group_size: int, *, eps: float,
+                            weights: Tensor | None, all_reduce_sum: AllReduceSum) -> Tensor:
+    """REINFORCE++ (Hu et al. 2025, arXiv 2501.03262), outcome rewards, as verl's
+    compute_reinforce_plus_plus_outcome_advantage defines it: the outcome reward sits on the last real token,
+    the return is its discounted sum with gamma = 1 (so R_i on every real token of completion i), and the
+    baseline is the batch's: returns are whitened over all real tokens of the batch,
+    (x - mean) * rsqrt(var + 1e-8) with the Bessel-corrected variance, then times the mask.
+
+    The batch is every rank's: (count, sum, sum of squares) over real tokens, in float64, are summed by one
+    all_reduce_sum; tokens of rows whose weight is 0 (fillers) are left out. A longer completion has more
+    tokens and so weighs more in the mean, as in verl. group_size is only checked (the baseline is not the
+    group's); eps is unused. With float32 rewards the float64 sum is exact, so a batch whose rewards are
+    all equal gets exactly 0. Fewer than two real tokens: variance 0.
+    """
+    check_groups(rewards.shape[0], group_size)
+    real = mask.to(torch.float64)
+    if weights is not None:
+        real = real * (weights.detach() != 0).to(torch.float64)[:, None]
+    returns = rewards.detach().to(torch.float64)[:, None].expand_as(real)  # gamma = 1: R_i at every token
+    kept = returns * real
+    moments = all_reduce_sum(torch.stack([real.sum(), kept.sum(), (kept * kept).sum()])).to(real.device)
+    mean = moments[1] / moments[0].clamp(min=1)
+    whitened = (returns - mean) * torch.rsqrt(_moments_var(moments) + WHITEN_EPS)
+    return whitened.to(rewards.dtype) * mask.to(rewards.dtype)
+
+
+ESTIMATOR_NAMES = tuple(ESTIMATORS)  # config choices (algorithm.adv_estimator)
+
+
+def compute_advantages(estimator: str, rewards: Tensor, token_shaping: Tensor, mask: Tensor, group_size: int, *,
+                       eps: float = 1e-6, weights: Tensor | None = None,
+                       all_reduce_sum: AllReduceSum = lambda t: t) -> Tensor:
+    """The advantages of one rollout batch with the registered `estimator` (ESTIMATOR_NAMES): the one call the
+    loop makes. Arguments as in register_estimator; returns [B, T] float, 0 on padding.
+
+    An estimator registered with token_returns=False is defined for outcome rewards only: a non-zero
+    token_shaping is refused (ValueError) rather than silently ignored.
+
+    >>> compute_advantages("dr_grpo", torch.tensor([1.0, 0.0]), torch.zeros(2, 3), torch.tensor([[1, 1, 0],
+    ...                    [1, 1, 1]]), 2)
+    tensor([[ 0.5000,  0.5000,  0.0000],
+            [-0.5000, -0.5000, -0.5000]])
+    """
+    check_choice(estimator, "advantage estimator", tuple(ESTIMATORS))
+    check_ndim(rewards, "rewards", 1)
+    check_floating(rewards, "rewards")
+    check_ndim(token_shaping, "token_shaping", 2)
+    check_same_shape(token_shaping, "token_shaping", mask, "mask")
+    if token_shaping.shape[0] != rewards.shape[0]:
+        raise ValueError(f"rewards has shape {tuple(rewards.shape)} but token_shaping has {tuple(token_shaping.shape)}")
+    if weights is not None:
+        check_same_shape(weights, "weights", rewards, "rewards")
+    check_groups(rewards.shape[0], group_size)
+    entry = ESTIMATORS[estimator]
+    if not entry.token_returns and bool((token_shaping != 0).any()):
+        shaped = [name for name, other in ESTIMATORS.items() if other.token_returns]
+        choices = ", ".join(shaped[:-1]) + f" or {shaped[-1]}" if len(shaped) > 1 else "".join(shaped)
+        raise ValueError(f"algorithm.adv_estimator={estimator} is defined for outcome rewards only, but the reward "
+                         f"returned sentence rewards (token_shaping is not zero); set reward.sentence_coef=0 or "
+                         f"use {choices}")
+    return entry.fn(rewards, token_shaping, mask, group_size, eps=eps, weights=weights,
+                    all_reduce_sum=all_reduce_sum)

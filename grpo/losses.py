@@ -1,18 +1,22 @@
-"""The clipped policy-gradient surrogate (PPO/GRPO/DAPO, token-level; GSPO, sequence-level), its aggregations,
-KL estimators and truncated IS.
+"""The policy loss of one micro-batch: PPO's clipped surrogate (PPO/GRPO/DAPO at token level, GSPO at sequence
+level) or CISPO's clipped importance weights, its aggregations, KL estimators, the entropy bonus and truncated IS.
 
-The denominator of every aggregation may be passed in from outside so that the trainer can divide by the
-count of the WHOLE optimizer step (all micro-batches, all ranks): then gradient accumulation and world
-size do not change the gradient (torchtitan does the same; FSDP's own averaging is turned off to match).
+`rl_loss` is the one entry point; a frozen LossSpec holds every choice it makes. The denominator of every
+aggregation may be passed in from outside so that the trainer can divide by the count of the WHOLE optimizer
+step (all micro-batches, all ranks): then gradient accumulation and world size do not change the gradient
+(torchtitan does the same; FSDP's own averaging is turned off to match). Shapes: B sequences, T tokens.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from grpo.checks import check_choice, check_floating, check_ndim, check_same_shape
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+POLICY_LOSSES = ("ppo", "cispo")  # config choices (LossSpec.mode)
 KL_KINDS = ("k1", "abs", "k2", "k3")
 IS_LEVELS = ("token", "sequence")
 RATIO_LEVELS = ("token", "sequence")
@@ -31,24 +35,57 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
+@dataclass(frozen=True)
+class Aggregation:
+    """How per-token values [B, T] become one number: numerator(masked values, mask) / (count * max_len if
+    per_max_len else count), where count is the local `count(mask)` or the denominator given from outside
+    (summed over micro-batches and ranks). One entry per mode, so loss_denominator and aggregate cannot
+    disagree about what a mode divides by."""
+    numerator: Callable[[Tensor, Tensor], Tensor]  # (values * mask [B, T], mask [B, T]) -> 0-dim
+    count: Callable[[Tensor], Tensor]  # mask [B, T] -> 0-dim float: tokens or sequences with a token
+    per_max_len: bool = False  # Dr. GRPO: the count is also multiplied by the constant max_len
+
+
+def _tokens(mask: Tensor) -> Tensor:
+    return mask.float().sum()
+
+
+def _sequences(mask: Tensor) -> Tensor:
+    return (mask.sum(dim=1) > 0).float().sum()
+
+
+AGGREGATION: dict[str, Aggregation] = {
+    # DAPO (Yu et al. 2025): every token of the step weighs the same.
+    "token-mean": Aggregation(numerator=lambda masked, mask: masked.sum(), count=_tokens),
+    # Original GRPO (Shao et al. 2024): each sequence's token mean, then the mean over sequences.
+    "seq-mean-token-mean": Aggregation(
+        numerator=lambda masked, mask: (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum(), count=_sequences),
+    # Dr. GRPO (Liu et al. 2025): the token sum over a constant length, so the length bias goes.
+    "seq-mean-token-sum-norm": Aggregation(numerator=lambda masked, mask: masked.sum(), count=_sequences,
+                                           per_max_len=True),
+}
+AGGREGATIONS = tuple(AGGREGATION)  # config choices (algorithm.agg)
+
+
 def loss_denominator(mask: Tensor, agg: str) -> Tensor:
     """The local count an aggregation divides by: masked tokens ("token-mean") or sequences with at least
     one masked token (both "seq-mean-*" modes). mask: [B, T] 0/1. Returns a 0-dim float tensor.
 
     Sum it over micro-batches and ranks and pass it back as `denominator` to aggregate over a whole step.
+
+    >>> loss_denominator(torch.tensor([[1, 1, 0], [0, 0, 0]]), "seq-mean-token-mean")
+    tensor(1.)
     """
     check_ndim(mask, "mask", 2)
     check_choice(agg, "agg", AGGREGATIONS)
-    if agg == "token-mean":
-        return mask.float().sum()
-    return (mask.sum(dim=1) > 0).float().sum()
+    return AGGREGATION[agg].count(mask)
 
 
 def aggregate(
     values: Tensor, mask: Tensor, agg: str = "token-mean", *, denominator: Tensor | float | None = None,
     max_len: int | None = None,
 ) -> Tensor:
-    """Reduce per-token values [B, T] to a scalar.
+    """Reduce per-token values [B, T] to a scalar (AGGREGATION[agg]).
 
     "token-mean":              sum over masked tokens / number of masked tokens (DAPO).
     "seq-mean-token-mean":     mean over sequences of each sequence's masked token mean (original GRPO).
@@ -59,18 +96,15 @@ def aggregate(
     check_ndim(values, "values", 2)
     check_same_shape(values, "values", mask, "mask")
     check_choice(agg, "agg", AGGREGATIONS)
+    entry = AGGREGATION[agg]
+    if entry.per_max_len and (max_len is None or max_len < 1):
+        raise ValueError(f"agg {agg!r} needs max_len >= 1 (the constant length), got {max_len}")
     mask = mask.to(values.dtype)
     if denominator is None:
-        denominator = loss_denominator(mask, agg)
+        denominator = entry.count(mask)
     denominator = torch.as_tensor(denominator, dtype=values.dtype, device=values.device).clamp(min=1)
-    masked = values * mask
-    if agg == "token-mean":
-        return masked.sum() / denominator
-    if agg == "seq-mean-token-mean":
-        return (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum() / denominator
-    if max_len is None or max_len < 1:
-        raise ValueError(f"agg 'seq-mean-token-sum-norm' needs max_len >= 1 (the constant length), got {max_len}")
-    return masked.sum() / (denominator * max_len)
+    numerator = entry.numerator(values * mask, mask)
+    return numerator / (denominator * max_len) if entry.per_max_len else numerator / denominator
 
 
 def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
@@ -95,79 +129,253 @@ def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> 
     return per_sequence.detach() + logprobs - logprobs.detach()
 
 
+@dataclass(frozen=True)
+class LossSpec:
+    """Every choice rl_loss makes, built once from the config (no config object reaches the math).
+
+    mode:            "ppo" (clipped surrogate) or "cispo" (clipped, detached IS weight times A times logp).
+    clip_low, clip_high: PPO's epsilon_low / epsilon_high; clip_high > clip_low is DAPO's clip-higher.
+    dual_clip:       PPO only: c > 1 caps the token loss at -A*c where A < 0 (Ye et al. 2020); None is off.
+    ratio_level:     "token", or "sequence" (GSPO, Zheng et al. 2025: one ratio per sequence; PPO only).
+    agg:             one of AGGREGATIONS.
+    max_len:         the constant length of "seq-mean-token-sum-norm" (required there); None for the others.
+    kl_coef, kl_kind: the KL term in the loss, kl_coef * aggregated kl_penalty(kind) against the reference
+                     (0: none; the KL in the reward is grpo.shaping's, not this).
+    entropy_coef:    the loss subtracts entropy_coef * the aggregated token entropy; 0 is off.
+    tis_cap, tis_level: truncated IS of the old (trainer) against the rollout (engine) logprobs,
+                     min(exp(old - rollout), tis_cap) per token or sequence; None is off.
+    cispo_clip_low, cispo_clip_high: CISPO's own bounds on its weight, clip(rho, 1 - low, 1 + high). They are
+                     not PPO's: CISPO caps an importance weight and keeps every token's gradient, where PPO's
+                     0.2 is a trust region that drops gradients. MiniMax-M1 (arXiv 2506.13585) sets no lower
+                     bound (None here) and tunes only the upper one; the default 4.0 caps the weight at 5,
+                     ScaleRL's epsilon_max (Khatri et al. 2025, arXiv 2510.13786) that TRL recommends. To get
+                     verl's cispo (PPO's bounds on both sides) set both to clip_low / clip_high; TRL's cispo
+                     (min(rho, epsilon_high)) is cispo_clip_high = epsilon_high - 1 with no lower bound.
+    """
+    mode: str = "ppo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    ratio_level: str = "token"
+    agg: str = "token-mean"
+    max_len: int | None = None
+    kl_coef: float = 0.0
+    kl_kind: str = "k3"
+    entropy_coef: float = 0.0
+    tis_cap: float | None = None
+    tis_level: str = "token"
+    cispo_clip_low: float | None = None
+    cispo_clip_high: float = 4.0
+
+    def __post_init__(self):
+        check_choice(self.mode, "mode", POLICY_LOSSES)
+        check_choice(self.ratio_level, "ratio_level", RATIO_LEVELS)
+        check_choice(self.agg, "agg", AGGREGATIONS)
+        check_choice(self.kl_kind, "kl_kind", KL_KINDS)
+        check_choice(self.tis_level, "tis_level", IS_LEVELS)
+        if not 0 <= self.clip_low < 1 or not self.clip_high >= 0:
+            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+        if self.dual_clip is not None and not self.dual_clip > 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
+        if AGGREGATION[self.agg].per_max_len and (self.max_len is None or self.max_len < 1):
+            raise ValueError(f"agg {self.agg!r} needs max_len >= 1 (the constant length), got {self.max_len}")
+        if not AGGREGATION[self.agg].per_max_len and self.max_len is not None:
+            raise ValueError(f"max_len is the constant of 'seq-mean-token-sum-norm'; agg {self.agg!r} does not use "
+                             f"it: leave it None (got {self.max_len})")
+        for name in ("kl_coef", "entropy_coef"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
+        if self.cispo_clip_low is not None and not 0 <= self.cispo_clip_low <= 1:
+            raise ValueError(f"cispo_clip_low must be in [0, 1] or None, got {self.cispo_clip_low}")
+        if not self.cispo_clip_high >= 0:
+            raise ValueError(f"cispo_clip_high must be >= 0, got {self.cispo_clip_high}")
+        if self.mode == "cispo" and self.dual_clip is not None:
+            raise ValueError("dual_clip is PPO's (a cap on the clipped surrogate); CISPO caps its weight with "
+                             "cispo_clip_high: leave dual_clip None")
+        if self.mode == "cispo" and self.ratio_level != "token":
+            raise ValueError("CISPO is defined with one importance weight per token (MiniMax-M1); "
+                             "ratio_level 'sequence' is GSPO's, a mode='ppo' loss")
+
+
+def _ppo_token_loss(logprobs: Tensor, ratio: Tensor, advantages: Tensor, spec: LossSpec):
+    """PPO's clipped surrogate per token: max(-A*rho, -A*clip(rho, 1-clip_low, 1+clip_high)), then dual-clip.
+    Returns (token loss [B, T], upper, lower, dual: [B, T] bool, where each bound binds)."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - spec.clip_low, 1.0 + spec.clip_high)
+    token_loss = torch.maximum(unclipped, clipped)
+    dual = torch.zeros_like(token_loss, dtype=torch.bool)
+    if spec.dual_clip is not None:
+        cap = -advantages * spec.dual_clip
+        dual = (advantages < 0) & (token_loss > cap)
+        token_loss = torch.where(dual, cap.expand_as(token_loss), token_loss)
+    upper = (advantages > 0) & (ratio > 1.0 + spec.clip_high)
+    lower = (advantages < 0) & (ratio < 1.0 - spec.clip_low)
+    return token_loss, upper, lower, dual
+
+
+def _cispo_token_loss(logprobs: Tensor, ratio: Tensor, advantages: Tensor, spec: LossSpec):
+    """CISPO (MiniMax-M1, arXiv 2506.13585) per token: -sg(clip(rho, 1 - low, 1 + high)) * A * logp. The weight
+    is detached, so the gradient is -w * A * d logp on EVERY token, a capped weight included (PPO's clip
+    drops those tokens' gradients). Returns (token loss, upper, lower, dual) as _ppo_token_loss; a bound
+    "binds" where it changes the weight, whatever the sign of A; dual is never."""
+    low = None if spec.cispo_clip_low is None else 1.0 - spec.cispo_clip_low
+    weight = ratio.detach().clamp(min=low, max=1.0 + spec.cispo_clip_high)
+    token_loss = -weight * advantages * logprobs
+    upper = ratio > 1.0 + spec.cispo_clip_high
+    lower = ratio < low if low is not None else torch.zeros_like(upper)
+    return token_loss, upper, lower, torch.zeros_like(upper)
+
+
+_TOKEN_LOSSES = {"ppo": _ppo_token_loss, "cispo": _cispo_token_loss}  # one per POLICY_LOSSES
+
+
+_FIELD_NAMES = ("clip_low", "clip_high", "dual_clip", "agg", "max_len", "ratio_level")
+
+
+def _spec_from_fields(spec: LossSpec | None, fields: dict) -> LossSpec:
+    """policy_loss's spec: the one given, LossSpec(), or (transitional) one made of fields passed one by one."""
+    if not fields:
+        spec = LossSpec() if spec is None else spec
+        if not isinstance(spec, LossSpec):
+            raise ValueError(f"spec must be a LossSpec, got {type(spec).__name__}")
+        return spec
+    if spec is not None:
+        raise ValueError("pass policy_loss either a LossSpec or its fields one by one, not both")
+    unknown = sorted(set(fields) - set(_FIELD_NAMES))
+    if unknown:
+        raise TypeError(f"policy_loss() got unexpected keyword arguments {unknown}")
+    entry = AGGREGATION.get(fields.get("agg", "token-mean"))
+    if entry is not None and not entry.per_max_len:  # the old signature took max_len for every agg
+        fields = {key: value for key, value in fields.items() if key != "max_len"}
+    return LossSpec(**fields)
+
+
 def policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
+    spec: LossSpec | None = None,
     *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    agg: str = "token-mean",
     denominator: Tensor | float | None = None,
-    max_len: int | None = None,
     is_weights: Tensor | None = None,
-    ratio_level: str = "token",
+    **fields,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped surrogate: per token max(-A*rho, -A*clip(rho, 1-clip_low, 1+clip_high)), aggregated.
+    """The policy-gradient term of the loss (spec.mode), per token then aggregated (spec.agg).
 
     logprobs, old_logprobs: [B, T] float, current and behaviour-policy token logprobs.
     advantages:             [B] (one per sequence) or [B, T] float.
     mask:                   [B, T] 0/1.
-    rho = exp(logprobs - old_logprobs) with the log-ratio clamped to +-20. clip_high > clip_low is DAPO's
-    clip-higher. dual_clip=c (c > 1, Ye et al. 2020) caps the token loss at -A*c where A < 0, so a huge
-    ratio on a bad token cannot dominate. is_weights [B, T] (detached) multiply the token loss
-    (truncated importance sampling for the rollout/trainer mismatch).
+    rho = exp(logprobs - old_logprobs) with the log-ratio clamped to +-20.
+    "ppo": max(-A*rho, -A*clip(rho, 1-clip_low, 1+clip_high)), dual-clip optional (LossSpec).
+    "cispo": -sg(clip(rho, 1-cispo_clip_low, 1+cispo_clip_high)) * A * logprobs.
+    is_weights [B, T] (detached) multiply the token loss (truncated importance sampling for the
+    rollout/trainer mismatch). denominator: as in aggregate. spec None: LossSpec().
+    fields (transitional): clip_low, clip_high, dual_clip, agg, max_len, ratio_level one by one, as
+    grpo/trainer.py's micro_batch_loss still passes them (max_len is dropped for an agg that does not use it);
+    to be removed once the trainer calls rl_loss.
     ratio_level "sequence" is GSPO: rho is the sequence's ratio s_i = exp(masked mean of the log-ratio) on
     every token of sequence i (sequence_log_ratio), so a whole sequence is clipped or not; its clip ranges
     are small (the GSPO paper: 3e-4 / 4e-4), since a mean of log-ratios moves far less than one token's.
     Returns (loss, metrics): detached 0-dim metrics clip_frac_upper / clip_frac_lower / clip_frac_dual
-    (fractions of masked tokens), approx_kl (k3 of old vs new), ratio_mean, ratio_max.
+    (fractions of masked tokens where that bound binds), approx_kl (k3 of old vs new), ratio_mean, ratio_max.
     """
     check_ndim(logprobs, "logprobs", 2)
     check_same_shape(old_logprobs, "old_logprobs", logprobs, "logprobs")
     check_same_shape(mask, "mask", logprobs, "logprobs")
     check_floating(logprobs, "logprobs")
+    spec = _spec_from_fields(spec, fields)
     if advantages.ndim == 1:
         if advantages.shape[0] != logprobs.shape[0]:
             raise ValueError(f"advantages has shape {tuple(advantages.shape)} but logprobs has {tuple(logprobs.shape)}")
         advantages = advantages[:, None]
     else:
         check_same_shape(advantages, "advantages", logprobs, "logprobs")
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-    check_choice(ratio_level, "ratio_level", RATIO_LEVELS)
     token_log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     log_ratio = token_log_ratio
-    if ratio_level == "sequence":
+    if spec.ratio_level == "sequence":
         log_ratio = sequence_log_ratio(logprobs, old_logprobs, mask).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    token_loss = torch.maximum(unclipped, clipped)
-    dual_active = torch.zeros_like(token_loss, dtype=torch.bool)
-    if dual_clip is not None:
-        cap = -advantages * dual_clip
-        dual_active = (advantages < 0) & (token_loss > cap)
-        token_loss = torch.where(dual_active, cap.expand_as(token_loss), token_loss)
+    token_loss, upper, lower, dual = _TOKEN_LOSSES[spec.mode](logprobs, ratio, advantages, spec)
     if is_weights is not None:
         check_same_shape(is_weights, "is_weights", logprobs, "logprobs")
         token_loss = token_loss * is_weights.detach()
-    loss = aggregate(token_loss, mask, agg, denominator=denominator, max_len=max_len)
+    loss = aggregate(token_loss, mask, spec.agg, denominator=denominator, max_len=spec.max_len)
 
     with torch.no_grad():
         m = mask.to(logprobs.dtype)
         metrics = {
-            "clip_frac_upper": masked_mean(((advantages > 0) & (ratio > 1.0 + clip_high)).to(m.dtype), m),
-            "clip_frac_lower": masked_mean(((advantages < 0) & (ratio < 1.0 - clip_low)).to(m.dtype), m),
-            "clip_frac_dual": masked_mean(dual_active.to(m.dtype), m),
+            "clip_frac_upper": masked_mean(upper.to(m.dtype), m),
+            "clip_frac_lower": masked_mean(lower.to(m.dtype), m),
+            "clip_frac_dual": masked_mean(dual.to(m.dtype), m),
             # k3 of the TOKEN log-ratio at either ratio level (a KL estimate, not the clipped quantity).
             "approx_kl": masked_mean(token_log_ratio.exp() - 1.0 - token_log_ratio, m),
             "ratio_mean": masked_mean(ratio, m),
             "ratio_max": torch.where(m > 0, ratio, torch.zeros_like(ratio)).max(),
         }
     return loss, metrics
+
+
+def rl_loss(
+    spec: LossSpec,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    denominator: Tensor | float,
+    rollout_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    entropy: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The whole loss of one micro-batch: policy_loss (with truncated IS weights of old vs rollout when
+    spec.tis_cap is set) + kl_coef * aggregated KL to the reference - entropy_coef * aggregated entropy.
+
+    logprobs:         [b, T] float, the current policy's (with gradient); the other tensors are moved to its device.
+    old_logprobs:     [b, T] the behaviour policy's (the trainer's before the update).
+    advantages:       [b] or [b, T]; mask: [b, T] 0/1 (times the loss weight).
+    denominator:      the aggregation's count over the whole optimizer step (loss_denominator summed over
+                      micro-batches and ranks).
+    rollout_logprobs: [b, T] the engine's logprobs of the same tokens; needed when spec.tis_cap is set.
+    ref_logprobs:     [b, T] the reference's: the KL term joins the loss when spec.kl_coef > 0 (metric kl always).
+    entropy:          [b, T] token entropies: the bonus when spec.entropy_coef > 0 (metric entropy always).
+    Returns (loss 0-dim with gradient, metrics as python floats): policy_loss's, plus kl, entropy,
+    logprob_gap (masked mean |old - rollout|, the mismatch truncated IS corrects) where their input is
+    given, and tis_weight_mean, tis_clip_frac (how often the cap binds) when IS is on.
+    """
+    device = logprobs.device
+    old_logprobs, advantages, mask = (t.to(device) for t in (old_logprobs, advantages, mask))
+    if rollout_logprobs is not None:
+        rollout_logprobs = rollout_logprobs.to(device)
+    is_weights = None
+    if spec.tis_cap is not None:  # rollout/trainer mismatch (vLLM bf16 vs trainer fp32): truncated IS
+        if rollout_logprobs is None:
+            raise ValueError("spec.tis_cap is set but rollout_logprobs is None: truncated IS needs the engine's")
+        is_weights = truncated_is_weights(old_logprobs, rollout_logprobs, cap=spec.tis_cap, level=spec.tis_level,
+                                          mask=mask)
+    loss, metrics = policy_loss(logprobs, old_logprobs, advantages, mask, spec, denominator=denominator,
+                                is_weights=is_weights)
+    if ref_logprobs is not None:
+        kl_values = kl_penalty(logprobs, ref_logprobs.to(device), spec.kl_kind)
+        if spec.kl_coef > 0:
+            loss = loss + spec.kl_coef * aggregate(kl_values, mask, spec.agg, denominator=denominator,
+                                                   max_len=spec.max_len)
+        metrics["kl"] = masked_mean(kl_values.detach(), mask)
+    if entropy is not None:
+        if spec.entropy_coef > 0:  # entropy bonus (verl's entropy_coeff): the same aggregation as the policy loss
+            loss = loss - spec.entropy_coef * aggregate(entropy, mask, spec.agg, denominator=denominator,
+                                                        max_len=spec.max_len)
+        metrics["entropy"] = masked_mean(entropy.detach(), mask)
+    if rollout_logprobs is not None:  # engine vs trainer on the same weights and tokens
+        metrics["logprob_gap"] = masked_mean((old_logprobs - rollout_logprobs).abs(), mask)
+    if is_weights is not None:  # how much the correction does: its mean weight and how often the cap binds
+        metrics["tis_weight_mean"] = masked_mean(is_weights, mask)
+        metrics["tis_clip_frac"] = masked_mean((is_weights >= spec.tis_cap).float(), mask)
+    # One device-to-host copy for all metrics (float() of each would be one sync per metric on a GPU).
+    values = torch.stack([value.detach().to(torch.float64) for value in metrics.values()]).tolist()
+    return loss, dict(zip(metrics, values))
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3") -> Tensor:
@@ -214,53 +422,3 @@ def truncated_is_weights(
             check_same_shape(mask, "mask", old_logprobs, "old_logprobs")
             log_ratio = (log_ratio * mask.to(log_ratio.dtype)).sum(dim=1, keepdim=True).expand_as(log_ratio)
         return torch.exp(log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)).clamp(max=cap)
-
-
-# --- TEMP-MERGE: stand-in for the loss entry point being written beside this branch (take theirs on merge) ---
-from dataclasses import dataclass as _dataclass  # noqa: E402
-
-
-@_dataclass(frozen=True)
-class LossSpec:
-    mode: str = "ppo"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
-    ratio_level: str = "token"
-    agg: str = "token-mean"
-    max_len: int | None = None
-    kl_coef: float = 0.0
-    kl_kind: str = "k3"
-    entropy_coef: float = 0.0
-    tis_cap: float | None = None
-    tis_level: str = "token"
-
-
-POLICY_LOSSES = ("ppo",)
-
-
-def rl_loss(spec, logprobs, old_logprobs, advantages, mask, *, denominator, rollout_logprobs=None,
-            ref_logprobs=None, entropy=None):
-    is_weights = None
-    if spec.tis_cap is not None:
-        is_weights = truncated_is_weights(old_logprobs, rollout_logprobs, cap=spec.tis_cap, level=spec.tis_level,
-                                          mask=mask)
-    loss, metrics = policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=spec.clip_low,
-                                clip_high=spec.clip_high, dual_clip=spec.dual_clip, agg=spec.agg,
-                                denominator=denominator, max_len=spec.max_len, is_weights=is_weights,
-                                ratio_level=spec.ratio_level)
-    if ref_logprobs is not None and spec.kl_coef > 0:
-        kl_values = kl_penalty(logprobs, ref_logprobs, spec.kl_kind)
-        loss = loss + spec.kl_coef * aggregate(kl_values, mask, spec.agg, denominator=denominator, max_len=spec.max_len)
-        metrics["kl"] = masked_mean(kl_values.detach(), mask)
-    if entropy is not None:
-        if spec.entropy_coef:
-            loss = loss - spec.entropy_coef * aggregate(entropy, mask, spec.agg, denominator=denominator,
-                                                        max_len=spec.max_len)
-        metrics["entropy"] = masked_mean(entropy.detach(), mask)
-    if rollout_logprobs is not None:
-        metrics["logprob_gap"] = masked_mean((old_logprobs - rollout_logprobs).abs(), mask)
-    if is_weights is not None:
-        metrics["tis_weight_mean"] = masked_mean(is_weights, mask)
-        metrics["tis_clip_frac"] = masked_mean((is_weights >= spec.tis_cap).float(), mask)
-    return loss, metrics

@@ -11,11 +11,14 @@ import time
 import torch
 
 from grpo.evaluate import evaluation_due, summarize
+from grpo.losses import aggregate, loss_denominator
 from grpo.parts import Collectives, SFTParts
 from grpo.trainer import held_out, timed
 from grpo.update import optimizer_step
 from models.batching import pad_batch
 from models.logprobs import completion_logprobs
+
+SFT_AGG = "token-mean"  # every completion token of the step weighs the same
 
 
 def train_sft(parts: SFTParts, dist: Collectives) -> dict:
@@ -36,12 +39,12 @@ def train_sft(parts: SFTParts, dist: Collectives) -> dict:
                                  [c for _, c in examples[s:s + spec.micro_batch_size]], parts.pad_id)
                        for s in range(0, len(examples), spec.micro_batch_size)]
             # Global token count of the step: every token weighs the same however the batch is split.
-            local_tokens = sum(batch["completion_mask"].sum() for batch in batches)
+            local_tokens = sum(loss_denominator(batch["completion_mask"], SFT_AGG) for batch in batches)
             num_tokens = dist.all_reduce_sum(torch.as_tensor(local_tokens, dtype=torch.float32, device=dist.device))
             loss_sum = 0.0
             for batch in batches:
                 logprobs, _ = completion_logprobs(model, batch, chunk_size=spec.chunk_size)
-                loss = -(logprobs * batch["completion_mask"].to(logprobs.dtype)).sum() / num_tokens.clamp(min=1)
+                loss = aggregate(-logprobs, batch["completion_mask"], SFT_AGG, denominator=num_tokens)
                 loss.backward()
                 loss_sum += float(loss.detach())
             lr = scheduler.get_last_lr()[0]

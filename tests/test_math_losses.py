@@ -7,7 +7,8 @@ import torch
 
 from grpo.filters import keep_groups
 from grpo.advantages import group_advantages
-from grpo.losses import aggregate, kl_penalty, loss_denominator, policy_loss, sequence_log_ratio, truncated_is_weights
+from grpo.losses import (AGGREGATION, AGGREGATIONS, LossSpec, aggregate, kl_penalty, loss_denominator, policy_loss,
+                         sequence_log_ratio, truncated_is_weights)
 from grpo.shaping import kl_reward_penalty, overlong_penalty
 
 F64 = dict(dtype=torch.float64)
@@ -24,17 +25,18 @@ def test_policy_loss_reference_numbers():
     # max(.5r, .5 clip(r)) = .4, .452419, .5, .674929, 2.027600; dual clip 3 caps at .5*3 = 1.5 (sum 3.527348).
     # token-mean: (-3.606572 + 3.527348)/8 ; seq-mean-token-mean: (-3.606572/3 + 3.527348/5)/2.
     kwargs = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0)
-    loss, metrics = policy_loss(NEW, OLD, ADV, MASK, agg="token-mean", **kwargs)
+    loss, metrics = policy_loss(NEW, OLD, ADV, MASK, LossSpec(agg="token-mean", **kwargs))
     assert loss.item() == pytest.approx(-0.0099031954, abs=1e-10)
-    loss, _ = policy_loss(NEW, OLD, ADV, MASK, agg="seq-mean-token-mean", **kwargs)
+    loss, _ = policy_loss(NEW, OLD, ADV, MASK, LossSpec(agg="seq-mean-token-mean", **kwargs))
     # The issue quotes -0.2483608001; the derivation above gives -0.24836080142 (the quoted 10-digit figure
     # is off by 1.3e-9), so pin our own derivation tightly and the quoted figure to 2e-9.
     assert loss.item() == pytest.approx(-0.24836080142, abs=1e-11)
     assert loss.item() == pytest.approx(-0.2483608001, abs=2e-9)
     # Symmetric clip 0.2: sequence 1 becomes -1.10517, -1.2, -1.2 (sum -3.505171).
-    loss, _ = policy_loss(NEW, OLD, ADV, MASK, clip_low=0.2, clip_high=0.2, dual_clip=3.0)
+    loss, _ = policy_loss(NEW, OLD, ADV, MASK, LossSpec(clip_low=0.2, clip_high=0.2, dual_clip=3.0))
     assert loss.item() == pytest.approx(0.0027721493, abs=1e-10)
-    loss, _ = policy_loss(NEW, OLD, ADV, MASK, clip_low=0.2, clip_high=0.2, dual_clip=3.0, agg="seq-mean-token-mean")
+    loss, _ = policy_loss(NEW, OLD, ADV, MASK, LossSpec(clip_low=0.2, clip_high=0.2, dual_clip=3.0,
+                                                     agg="seq-mean-token-mean"))
     assert loss.item() == pytest.approx(-0.23146034173, abs=1e-11)  # quoted: -0.2314603405 (same rounding)
     assert loss.item() == pytest.approx(-0.2314603405, abs=2e-9)
     # Clip fractions over the 8 masked tokens: upper = seq 1 token 3 (1.49 > 1.28) -> 1/8; lower = seq 2
@@ -46,17 +48,18 @@ def test_policy_loss_reference_numbers():
 
 
 def test_policy_loss_float32_matches_float64():
-    loss32, _ = policy_loss(NEW.float(), OLD.float(), ADV.float(), MASK.float(), clip_high=0.28, dual_clip=3.0)
+    loss32, _ = policy_loss(NEW.float(), OLD.float(), ADV.float(), MASK.float(),
+                            LossSpec(clip_high=0.28, dual_clip=3.0))
     assert loss32.item() == pytest.approx(-0.0099031954, rel=1e-5)
 
 
 def test_sum_norm_reference():
     # Dr. GRPO at ratio 1 (new == old): token losses are -A: seq 1 sums 3 * -1 = -3, seq 2 sums 5 * .5 = 2.5;
     # (-3 + 2.5) / (2 sequences * max_len 10) = -0.025.
-    loss, _ = policy_loss(OLD, OLD, ADV, MASK, agg="seq-mean-token-sum-norm", max_len=10)
+    loss, _ = policy_loss(OLD, OLD, ADV, MASK, LossSpec(agg="seq-mean-token-sum-norm", max_len=10))
     assert loss.item() == pytest.approx(-0.025, abs=1e-15)
     with pytest.raises(ValueError, match="max_len"):
-        policy_loss(OLD, OLD, ADV, MASK, agg="seq-mean-token-sum-norm")
+        policy_loss(OLD, OLD, ADV, MASK, LossSpec(agg="seq-mean-token-sum-norm"))
 
 
 def test_on_policy_gradient_is_reinforce():
@@ -70,7 +73,7 @@ def test_on_policy_gradient_is_reinforce():
 
 def test_clipped_tokens_get_zero_gradient():
     logprobs = NEW.clone().requires_grad_(True)
-    loss, _ = policy_loss(logprobs, OLD, ADV, MASK, clip_high=0.28, dual_clip=3.0)
+    loss, _ = policy_loss(logprobs, OLD, ADV, MASK, LossSpec(clip_high=0.28, dual_clip=3.0))
     loss.backward()
     grad = logprobs.grad
     # Clipped: seq 1 token 3 (upper), seq 2 token 1 (lower), seq 2 token 5 (dual); padding too.
@@ -95,20 +98,21 @@ def _random_batch(seed: int, step: float):
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_micro_batches_with_global_denominator_equal_full_batch(agg):
     old, new, advantages, mask = _random_batch(seed=0, step=0.3)
-    kwargs = dict(clip_high=0.28, dual_clip=3.0, agg=agg, max_len=7)
+    spec = LossSpec(clip_high=0.28, dual_clip=3.0, agg=agg, max_len=7 if agg == "seq-mean-token-sum-norm" else None)
     full = new.clone().requires_grad_(True)
-    policy_loss(full, old, advantages, mask, **kwargs)[0].backward()
+    policy_loss(full, old, advantages, mask, spec)[0].backward()
     micro = new.clone().requires_grad_(True)
     denominator = loss_denominator(mask, agg)
     for rows in (slice(0, 2), slice(2, 3), slice(3, 6)):
-        policy_loss(micro[rows], old[rows], advantages[rows], mask[rows], denominator=denominator, **kwargs)[0].backward()
+        policy_loss(micro[rows], old[rows], advantages[rows], mask[rows], spec, denominator=denominator)[0].backward()
     torch.testing.assert_close(micro.grad, full.grad, rtol=0, atol=1e-15)
 
 
 def test_all_padding_sequence_contributes_zero_and_no_nan():
     mask = torch.tensor([[1, 1, 0], [0, 0, 0]], **F64)
     for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
-        loss, metrics = policy_loss(OLD[:, :3], OLD[:, :3], ADV, mask, agg=agg, max_len=3)
+        loss, metrics = policy_loss(OLD[:, :3], OLD[:, :3], ADV, mask,
+                                    LossSpec(agg=agg, max_len=3 if agg == "seq-mean-token-sum-norm" else None))
         assert torch.isfinite(loss) and all(torch.isfinite(v) for v in metrics.values())
     # Only sequence 1 counts: token-mean = 2 * -1 / 2 = -1.
     assert policy_loss(OLD[:, :3], OLD[:, :3], ADV, mask)[0].item() == -1.0
@@ -117,8 +121,8 @@ def test_all_padding_sequence_contributes_zero_and_no_nan():
 
 def test_is_weights_multiply_token_loss():
     weights = torch.full_like(MASK, 0.5)
-    plain, _ = policy_loss(NEW, OLD, ADV, MASK, clip_high=0.28, dual_clip=3.0)
-    weighted, _ = policy_loss(NEW, OLD, ADV, MASK, clip_high=0.28, dual_clip=3.0, is_weights=weights)
+    plain, _ = policy_loss(NEW, OLD, ADV, MASK, LossSpec(clip_high=0.28, dual_clip=3.0))
+    weighted, _ = policy_loss(NEW, OLD, ADV, MASK, LossSpec(clip_high=0.28, dual_clip=3.0), is_weights=weights)
     assert weighted.item() == pytest.approx(0.5 * plain.item(), abs=1e-15)
 
 
@@ -128,9 +132,9 @@ def test_policy_loss_bad_input():
     with pytest.raises(ValueError, match=r"advantages has shape \(3,\)"):
         policy_loss(NEW, OLD, torch.ones(3, **F64), MASK)
     with pytest.raises(ValueError, match="valid: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm"):
-        policy_loss(NEW, OLD, ADV, MASK, agg="mean")
+        policy_loss(NEW, OLD, ADV, MASK, LossSpec(agg="mean"))
     with pytest.raises(ValueError, match="dual_clip must be > 1"):
-        policy_loss(NEW, OLD, ADV, MASK, dual_clip=0.5)
+        policy_loss(NEW, OLD, ADV, MASK, LossSpec(dual_clip=0.5))
     with pytest.raises(ValueError, match=r"logprobs must have 2 dimension\(s\), got shape \(5,\)"):
         policy_loss(NEW[0], OLD[0], ADV, MASK[0])
 
@@ -143,9 +147,10 @@ def test_gspo_reference_numbers():
     # seq-mean-token-mean: (-1.0004 + .6484650) / 2 = -.1759675; token-mean: (3 * -1.0004 + 5 * .6484650) / 8.
     logprobs = NEW.clone().requires_grad_(True)
     kwargs = dict(clip_low=3e-4, clip_high=4e-4, ratio_level="sequence")
-    loss, metrics = policy_loss(logprobs, OLD, ADV, MASK, agg="seq-mean-token-mean", **kwargs)
+    loss, metrics = policy_loss(logprobs, OLD, ADV, MASK, LossSpec(agg="seq-mean-token-mean", **kwargs))
     assert loss.item() == pytest.approx(-0.17596747833355703, abs=1e-12)
-    assert policy_loss(NEW, OLD, ADV, MASK, **kwargs)[0].item() == pytest.approx(0.03014065208305372, abs=1e-12)
+    token_mean = policy_loss(NEW, OLD, ADV, MASK, LossSpec(**kwargs))[0]
+    assert token_mean.item() == pytest.approx(0.03014065208305372, abs=1e-12)
     assert metrics["clip_frac_upper"].item() == 3 / 8 and metrics["clip_frac_lower"].item() == 0.0
     assert metrics["ratio_max"].item() == pytest.approx(math.exp(0.26), abs=1e-12)
     # Gradient: seq 1 is clipped (0 everywhere); seq 2's tokens get d(.5 s2)/d logp_t / 2 sequences with
@@ -157,8 +162,8 @@ def test_gspo_reference_numbers():
     # A token-level clip range with a sequence ratio: 0.2 / 0.28 clips neither sequence here; seq 1 now gets
     # -s1 / 3 / 2 = -.2104671 per token, and the loss is (-1.2628023 + .6484650) / 2 = -.3071686.
     logprobs = NEW.clone().requires_grad_(True)
-    loss, _ = policy_loss(logprobs, OLD, ADV, MASK, clip_low=0.2, clip_high=0.28, agg="seq-mean-token-mean",
-                          ratio_level="sequence")
+    loss, _ = policy_loss(logprobs, OLD, ADV, MASK, LossSpec(clip_low=0.2, clip_high=0.28, agg="seq-mean-token-mean",
+                                                           ratio_level="sequence"))
     loss.backward()
     assert loss.item() == pytest.approx(-0.30716864998045773, abs=1e-12)
     torch.testing.assert_close(logprobs.grad[0, :3], torch.full((3,), -math.exp(0.7 / 3) / 6, **F64), rtol=0,
@@ -171,8 +176,8 @@ def test_gspo_token_form_equals_the_sequence_objective():
     # mean_i max(-A_i s_i, -A_i clip(s_i)), s_i = exp(mean_t (logp - old)), differentiated through s_i.
     old, new, advantages, mask = _random_batch(seed=1, step=0.05)
     token_form = new.clone().requires_grad_(True)
-    loss, _ = policy_loss(token_form, old, advantages, mask, clip_low=0.01, clip_high=0.012,
-                          agg="seq-mean-token-mean", ratio_level="sequence")
+    loss, _ = policy_loss(token_form, old, advantages, mask, LossSpec(clip_low=0.01, clip_high=0.012,
+                          agg="seq-mean-token-mean", ratio_level="sequence"))
     loss.backward()
     direct = new.clone().requires_grad_(True)
     s = torch.exp(((direct - old) * mask).sum(1) / mask.sum(1))
@@ -185,10 +190,10 @@ def test_gspo_token_form_equals_the_sequence_objective():
     torch.testing.assert_close(log_ratio[:, :1], (((new - old) * mask).sum(1) / mask.sum(1))[:, None])
     # One-token sequences: the sequence ratio is the token ratio.
     one = torch.ones(6, 1, **F64)
-    torch.testing.assert_close(policy_loss(new[:, :1], old[:, :1], advantages, one, ratio_level="sequence")[0],
-                               policy_loss(new[:, :1], old[:, :1], advantages, one)[0], rtol=0, atol=1e-15)
+    sequence = policy_loss(new[:, :1], old[:, :1], advantages, one, LossSpec(ratio_level="sequence"))[0]
+    torch.testing.assert_close(sequence, policy_loss(new[:, :1], old[:, :1], advantages, one)[0], rtol=0, atol=1e-15)
     with pytest.raises(ValueError, match="unknown ratio_level 'seq'; valid: token, sequence"):
-        policy_loss(NEW, OLD, ADV, MASK, ratio_level="seq")
+        policy_loss(NEW, OLD, ADV, MASK, LossSpec(ratio_level="seq"))
 
 
 def test_kl_in_reward_reference_numbers():
@@ -250,6 +255,40 @@ def test_aggregate_matches_loop():
     assert aggregate(values, mask, "token-mean").item() == pytest.approx((1 + 2 + 4) / 3)
     assert aggregate(values, mask, "seq-mean-token-mean").item() == pytest.approx((1.5 + 4) / 2)
     assert aggregate(values, mask, "seq-mean-token-sum-norm", max_len=4).item() == pytest.approx(7 / 8)
+
+
+def test_aggregation_table_is_what_loss_denominator_and_aggregate_use():
+    # One entry per mode: loss_denominator is its count, aggregate its numerator over that count (times max_len
+    # for Dr. GRPO), with a given denominator in place of the local count.
+    values = torch.tensor([[1.0, 2, 3], [4, 5, 6], [7, 8, 9]], **F64)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]], **F64)
+    assert AGGREGATIONS == tuple(AGGREGATION)
+    assert [loss_denominator(mask, agg).item() for agg in AGGREGATIONS] == [3.0, 2.0, 2.0]
+    for agg in AGGREGATIONS:
+        entry = AGGREGATION[agg]
+        scale = 4 if entry.per_max_len else 1
+        expected = entry.numerator(values * mask, mask) / (entry.count(mask) * scale)
+        assert aggregate(values, mask, agg, max_len=4).item() == expected.item()
+        assert aggregate(values, mask, agg, denominator=10.0, max_len=4).item() == pytest.approx(
+            entry.numerator(values * mask, mask).item() / (10 * scale), abs=1e-15)
+    with pytest.raises(ValueError, match="needs max_len >= 1"):
+        aggregate(values, mask, "seq-mean-token-sum-norm")
+
+
+def test_sft_loss_through_the_table_is_the_hand_rolled_token_mean():
+    # grpo/sft.py's loss: -(logprobs * mask).sum() / num_tokens over the step, now aggregate(-logprobs, ...,
+    # "token-mean", denominator=num_tokens); bit for bit, in float32 as the SFT loop runs, and its gradient too.
+    gen = torch.Generator().manual_seed(3)
+    logprobs = -torch.rand(4, 9, generator=gen) * 5
+    mask = (torch.rand(4, 9, generator=gen) > 0.4).long()
+    num_tokens = torch.as_tensor(loss_denominator(mask, "token-mean") + 7, dtype=torch.float32)  # + other ranks
+    hand, table = logprobs.clone().requires_grad_(True), logprobs.clone().requires_grad_(True)
+    expected = -(hand * mask.to(hand.dtype)).sum() / num_tokens.clamp(min=1)
+    loss = aggregate(-table, mask, "token-mean", denominator=num_tokens)
+    expected.backward()
+    loss.backward()
+    assert torch.equal(loss, expected) and torch.equal(table.grad, hand.grad)
+    assert loss_denominator(mask, "token-mean").item() == mask.sum().item()
 
 
 def test_overlong_penalty_reference():
