@@ -96,6 +96,11 @@ class AlgorithmConfig:
     """Prompts per optimizer step over ALL ranks, as in verl (trainer.prompts_per_step is per rank): each rank's
     share is this / world size, which must divide trainer.prompts_per_step. Each mini-batch is one optimizer
     step, each epoch visits them in order. null: the whole batch (one step per epoch)."""
+    cispo_clip_low: float | None = bounded(None, 0, 1)
+    """policy_loss=cispo: lower bound of the importance weight, clip(rho, 1 - low, ...); null is none (MiniMax-M1).
+    verl's CISPO uses PPO's clip_low here."""
+    cispo_clip_high: float = bounded(4.0, 0)
+    """policy_loss=cispo: the weight is at most 1 + this (4: TRL's recommended cap of 5)."""
     ratio_level: str = choice("token", RATIO_LEVELS)
     """token (PPO/GRPO/DAPO) or sequence (GSPO: one ratio per sequence, exp of the mean token log-ratio; needs
     GSPO's small clip ranges, e.g. clip_low 3e-4, clip_high 4e-4, and agg seq-mean-token-mean, its mean over

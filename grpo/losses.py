@@ -231,27 +231,6 @@ def _cispo_token_loss(logprobs: Tensor, ratio: Tensor, advantages: Tensor, spec:
 _TOKEN_LOSSES = {"ppo": _ppo_token_loss, "cispo": _cispo_token_loss}  # one per POLICY_LOSSES
 
 
-_FIELD_NAMES = ("clip_low", "clip_high", "dual_clip", "agg", "max_len", "ratio_level")
-
-
-def _spec_from_fields(spec: LossSpec | None, fields: dict) -> LossSpec:
-    """policy_loss's spec: the one given, LossSpec(), or (transitional) one made of fields passed one by one."""
-    if not fields:
-        spec = LossSpec() if spec is None else spec
-        if not isinstance(spec, LossSpec):
-            raise ValueError(f"spec must be a LossSpec, got {type(spec).__name__}")
-        return spec
-    if spec is not None:
-        raise ValueError("pass policy_loss either a LossSpec or its fields one by one, not both")
-    unknown = sorted(set(fields) - set(_FIELD_NAMES))
-    if unknown:
-        raise TypeError(f"policy_loss() got unexpected keyword arguments {unknown}")
-    entry = AGGREGATION.get(fields.get("agg", "token-mean"))
-    if entry is not None and not entry.per_max_len:  # the old signature took max_len for every agg
-        fields = {key: value for key, value in fields.items() if key != "max_len"}
-    return LossSpec(**fields)
-
-
 def policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -261,7 +240,6 @@ def policy_loss(
     *,
     denominator: Tensor | float | None = None,
     is_weights: Tensor | None = None,
-    **fields,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The policy-gradient term of the loss (spec.mode), per token then aggregated (spec.agg).
 
@@ -273,9 +251,6 @@ def policy_loss(
     "cispo": -sg(clip(rho, 1-cispo_clip_low, 1+cispo_clip_high)) * A * logprobs.
     is_weights [B, T] (detached) multiply the token loss (truncated importance sampling for the
     rollout/trainer mismatch). denominator: as in aggregate. spec None: LossSpec().
-    fields (transitional): clip_low, clip_high, dual_clip, agg, max_len, ratio_level one by one, as
-    grpo/trainer.py's micro_batch_loss still passes them (max_len is dropped for an agg that does not use it);
-    to be removed once the trainer calls rl_loss.
     ratio_level "sequence" is GSPO: rho is the sequence's ratio s_i = exp(masked mean of the log-ratio) on
     every token of sequence i (sequence_log_ratio), so a whole sequence is clipped or not; its clip ranges
     are small (the GSPO paper: 3e-4 / 4e-4), since a mean of log-ratios moves far less than one token's.
@@ -286,7 +261,9 @@ def policy_loss(
     check_same_shape(old_logprobs, "old_logprobs", logprobs, "logprobs")
     check_same_shape(mask, "mask", logprobs, "logprobs")
     check_floating(logprobs, "logprobs")
-    spec = _spec_from_fields(spec, fields)
+    spec = LossSpec() if spec is None else spec
+    if not isinstance(spec, LossSpec):
+        raise ValueError(f"spec must be a LossSpec, got {type(spec).__name__}")
     if advantages.ndim == 1:
         if advantages.shape[0] != logprobs.shape[0]:
             raise ValueError(f"advantages has shape {tuple(advantages.shape)} but logprobs has {tuple(logprobs.shape)}")

@@ -20,7 +20,7 @@ import yaml
 from data.sampler import PromptSampler
 from launch.schema import Config
 from grpo.evaluate import evaluate
-from grpo.losses import LossSpec
+from grpo.losses import AGGREGATION, LossSpec
 from grpo.parts import (AdvantageSpec, Batching, Evaluation, LogprobSpec, Policy, RLParts, RLSpec, Sampling, SFTParts,
                         SFTSpec, Watch)
 from grpo.prepare import logprob_pass
@@ -273,8 +273,10 @@ def logprob_spec(cfg: Config, vocab_size: int | None) -> LogprobSpec:
 def loss_spec(cfg: Config) -> LossSpec:
     """The loss of a micro-batch (grpo.losses.rl_loss), read from algorithm.* once."""
     algo = cfg.algorithm
+    sum_norm = AGGREGATION[algo.agg].per_max_len  # Dr. GRPO's constant: the response length limit
     return LossSpec(mode=algo.policy_loss, clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
-                    ratio_level=algo.ratio_level, agg=algo.agg, max_len=cfg.rollout.max_new_tokens,
+                    ratio_level=algo.ratio_level, agg=algo.agg, max_len=cfg.rollout.max_new_tokens if sum_norm else None,
+                    cispo_clip_low=algo.cispo_clip_low, cispo_clip_high=algo.cispo_clip_high,
                     kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef, kl_kind=algo.kl_kind,
                     entropy_coef=algo.entropy_coef, tis_cap=algo.tis_cap, tis_level=algo.tis_level)
 

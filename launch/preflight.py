@@ -141,6 +141,15 @@ def _check_rl(cfg: Config, world_size: int = 1) -> None:
                           f"algorithm.clip_high={algo.clip_high}: a sequence ratio is exp of a MEAN log-ratio and "
                           f"moves far less than a token's, so a token-level range never clips; GSPO uses "
                           f"clip_low=3e-4, clip_high=4e-4 (at most {SEQUENCE_CLIP_LIMIT} accepted)")
+    from grpo.advantages import ESTIMATORS
+    if not ESTIMATORS[algo.adv_estimator].token_returns and cfg.reward.sentence_coef > 0:
+        # Refused here rather than at the first sentence reward: one rank raising alone would leave the others
+        # waiting in a collective.
+        raise ConfigError(f"algorithm.adv_estimator={algo.adv_estimator} is defined for outcome rewards only; set "
+                          f"reward.sentence_coef=0 (or use grpo, dr_grpo or batch_std for sentence rewards)")
+    if algo.policy_loss == "cispo" and (algo.dual_clip is not None or algo.ratio_level != "token"):
+        raise ConfigError(f"algorithm.policy_loss=cispo weighs each token by its clipped ratio: it takes no "
+                          f"algorithm.dual_clip ({algo.dual_clip}) and ratio_level token (got {algo.ratio_level})")
     if algo.ratio_level == "sequence" and algo.agg != GSPO_AGGREGATION:
         # GSPO's objective is a mean over sequences of the sequence-level surrogate; a token mean weights each
         # sequence by its length, which is another objective (verl forces the same aggregation for GSPO).

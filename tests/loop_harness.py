@@ -111,6 +111,10 @@ CASES = {
                           "algorithm.clip_high=4e-4", "algorithm.agg=seq-mean-token-mean", "algorithm.kl_coef=0.1",
                           "algorithm.kl_in_reward=true", "algorithm.adv_estimator=batch_std"],
     "token_budget": ["trainer.max_tokens_per_micro_batch=128"],
+    # REINFORCE++ whitens over every rank's tokens (one all-reduce); RLOO and CISPO are per group / per token.
+    "reinforce_pp": ["algorithm.adv_estimator=reinforce_pp", "reward.sentence_coef=0"],
+    "rloo_cispo": ["algorithm.adv_estimator=rloo", "reward.sentence_coef=0", "algorithm.policy_loss=cispo",
+                   "algorithm.ppo_epochs=2", "optim.lr=0.1"],
 }
 WORDS = ["idea", "xyz", "queue", "rst", "aeiou", "bcd"]
 

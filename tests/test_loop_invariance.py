@@ -6,7 +6,8 @@ loop_harness.sgd_policy: comparing weights then compares gradients).
 One process x 4 prompts is compared with 2 ranks x 2 prompts (ONE torchrun launch of tests/dist_invariance.py
 runs every case) for: the plain step, adv_estimator=batch_std (the std is all-reduced), sentence shaping, dynamic
 sampling with filler groups, LoRA, 2 PPO mini-batches x 2 epochs with KL and entropy terms, GSPO with the KL
-in the reward over 2 steps, and token-budget micro-batches; and on one process, micro-batches of 2 vs 8 rows
+in the reward over 2 steps, token-budget micro-batches, REINFORCE++ (whitened over every rank's tokens), and
+RLOO with CISPO over 2 epochs; and on one process, micro-batches of 2 vs 8 rows
 and token budgets of 64 and 256 vs one micro-batch.
 """
 import functools

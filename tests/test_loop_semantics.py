@@ -147,3 +147,15 @@ def test_top_p_without_truncated_is_warns_with_the_expected_gap(tmp_path, tiny_m
                  "--dry-run"])
     err = capsys.readouterr().err
     assert code == 0 and "WARNING: rollout.top_p=0.5, rollout.top_k=0: the engine samples from the truncated" in err
+
+
+def test_outcome_only_estimators_refuse_sentence_rewards_at_start_up():
+    # RLOO and REINFORCE++ are defined for outcome rewards; sentence shaping would be refused at the first shaped
+    # batch on one rank while the others wait in a collective, so start-up refuses it.
+    for estimator in ("rloo", "reinforce_pp"):
+        with pytest.raises(ConfigError, match=rf"algorithm\.adv_estimator={estimator} is defined for outcome "
+                                              r"rewards only; set reward\.sentence_coef=0"):
+            _check_settings(load_config(None, [f"algorithm.adv_estimator={estimator}"]))
+        _check_settings(load_config(None, [f"algorithm.adv_estimator={estimator}", "reward.sentence_coef=0"]))
+    with pytest.raises(ConfigError, match=r"algorithm\.policy_loss=cispo .* no algorithm\.dual_clip \(3\.0\)"):
+        _check_settings(load_config(None, ["algorithm.policy_loss=cispo", "algorithm.dual_clip=3"]))

@@ -1,6 +1,5 @@
 """One loss entry point: LossSpec's checks, rl_loss (policy loss + KL + entropy, truncated IS, metrics) against
-hand-derived numbers and against the loop's own micro_batch_loss, and CISPO's loss and gradient."""
-import inspect
+hand-derived numbers, micro-batching that leaves the gradient unchanged, and CISPO's loss and gradient."""
 import math
 
 import pytest
@@ -63,17 +62,6 @@ def test_loss_spec_is_frozen_and_defaults_to_the_plain_clipped_surrogate():
     assert policy_loss(NEW, OLD, ADV, MASK)[0].item() == policy_loss(NEW, OLD, ADV, MASK, spec)[0].item()
 
 
-def test_policy_loss_fields_one_by_one_are_the_spec():
-    # The transitional form grpo/trainer.py still uses: the same loss, max_len dropped where agg ignores it.
-    spec = LossSpec(clip_high=0.28, dual_clip=3.0, agg="seq-mean-token-mean")
-    loss, _ = policy_loss(NEW, OLD, ADV, MASK, clip_high=0.28, dual_clip=3.0, agg="seq-mean-token-mean", max_len=10)
-    assert loss.item() == policy_loss(NEW, OLD, ADV, MASK, spec)[0].item()
-    with pytest.raises(ValueError, match="not both"):
-        policy_loss(NEW, OLD, ADV, MASK, spec, clip_high=0.28)
-    with pytest.raises(TypeError, match="clip_ratio"):
-        policy_loss(NEW, OLD, ADV, MASK, clip_ratio=0.2)
-
-
 def test_rl_loss_reference_numbers_with_kl_and_entropy():
     # Policy term: clip 0.2 / 0.28, dual clip 3, token-mean = -0.0099031954 (tests/test_math_losses.py derives it).
     # KL k1 with ref = new - 0.1: 0.1 on every token, coefficient 0.5 -> +0.05.
@@ -127,45 +115,6 @@ def test_rl_loss_micro_batches_with_the_step_denominator_equal_the_full_batch(ag
         rl_loss(spec, micro[rows], old[rows], advantages[rows], mask[rows], denominator=denominator,
                 rollout_logprobs=rollout[rows], ref_logprobs=ref[rows], entropy=entropy[rows])[0].backward()
     torch.testing.assert_close(micro.grad, full.grad, rtol=0, atol=1e-15)
-
-
-def _loop_loss():
-    from grpo import trainer
-    loop_loss = getattr(trainer, "micro_batch_loss", None)
-    if loop_loss is None or "algo" not in inspect.signature(loop_loss).parameters:
-        pytest.skip("the loop no longer composes the loss itself")
-    return loop_loss
-
-
-@pytest.mark.parametrize("agg", AGGREGATIONS)
-@pytest.mark.parametrize("options", [
-    dict(), dict(tis_cap=1.5), dict(tis_cap=1.5, tis_level="sequence"), dict(kl_coef=0.1, kl_kind="k3"),
-    dict(entropy_coef=0.01), dict(kl_coef=0.1, entropy_coef=0.01, tis_cap=1.2, dual_clip=3.0),
-    dict(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4, kl_coef=0.05),
-])
-def test_rl_loss_is_the_loops_micro_batch_loss_bit_for_bit(agg, options):
-    # What lets grpo/trainer.py switch to rl_loss with no loop test changing: same loss, gradient and metrics.
-    from grpo.config import AlgorithmConfig
-    loop_loss = _loop_loss()
-    gen = torch.Generator().manual_seed(4)
-    old = -torch.rand(6, 7, generator=gen) * 3
-    new, rollout = old + 0.3 * torch.randn(6, 7, generator=gen), old + 0.05 * torch.randn(6, 7, generator=gen)
-    ref, entropy = old + 0.2 * torch.randn(6, 7, generator=gen), torch.rand(6, 7, generator=gen)
-    advantages, mask = torch.randn(6, 7, generator=gen), (torch.rand(6, 7, generator=gen) > 0.3).float()
-    mask[:, 0] = 1
-    options = dict(dict(clip_high=0.28), **options)
-    algo = AlgorithmConfig(agg=agg, **options)
-    spec = LossSpec(agg=agg, max_len=7 if agg == "seq-mean-token-sum-norm" else None, **options)
-    with_kl = ref if algo.kl_coef > 0 else None
-    loop, ours = new.clone().requires_grad_(True), new.clone().requires_grad_(True)
-    loop_value, loop_metrics = loop_loss(loop, entropy, old, advantages, mask, rollout, with_kl, algo,
-                                         denominator=torch.tensor(17.0), max_len=7)
-    value, metrics = rl_loss(spec, ours, old, advantages, mask, denominator=torch.tensor(17.0),
-                             rollout_logprobs=rollout, ref_logprobs=with_kl, entropy=entropy)
-    loop_value.backward()
-    value.backward()
-    assert torch.equal(value, loop_value) and torch.equal(ours.grad, loop.grad)
-    assert metrics == loop_metrics
 
 
 def test_cispo_reference_numbers_and_gradient():
