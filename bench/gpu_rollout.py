@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as error:
                 results.error("vllm", error)
             # The process group is left to vLLM's own shutdown at exit: destroying it first makes that
-            # shutdown raise "Invalid process group specified" (shared/notes/VLLM_AND_FSDP2.md).
+            # shutdown raise "Invalid process group specified".
     return 1 if results.data["errors"] else 0
 
 

@@ -1,6 +1,6 @@
 """Per-rank peak host memory while the trainer loads its model on 2 ranks (FSDP2, gloo, CPU): every rank
-reading the whole model and then sharding it (what launch/build.py did before issue 15) against rank-0
-loading onto meta devices (models.fsdp.load_sharded_model, what it does now).
+reading the whole model and then sharding it (the simple way) against rank-0 loading onto meta devices
+(models.fsdp.load_sharded_model, what launch/build.py does).
 
     python -m bench.load_memory            # the embedded SmolLM2-135M, float32 master weights
 

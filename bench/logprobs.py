@@ -10,7 +10,7 @@ tensor allocations), inputs excluded, counted once. The same process then report
 from the naive ones. Cases whose naive pass would not fit in --max-gib are skipped and say so.
 
 Four passes over N = B*T rows:
-  naive            log_softmax(logits.float()).gather, given logits [N, V]        (the issue's reference)
+  naive            log_softmax(logits.float()).gather, given logits [N, V]        (the textbook reference)
   chunked          models.logprobs.token_logprobs on the same logits
   naive_hidden     logits = hidden @ W.T, then naive: what a model forward + loss does (H = 576, SmolLM2)
   fused_hidden     models.chunked_softmax.LogprobsFromHidden: what completion_logprobs does, no [N, V] tensor

@@ -242,8 +242,8 @@ def _ratios(runs: list[dict], key: str, warmup: int) -> dict:
 def compare(runs: list[dict], warmup: int = 1) -> dict:
     """Per-step ratios ours/TRL within each round (warm-up steps dropped), their min/median/max, peak RSS.
 
-    `ratio` compares wall time (the issue's figure); `cpu_ratio` the processes' CPU seconds per step, which a
-    busy shared machine disturbs less (both include idle spinning of torch's worker threads)."""
+    `ratio` compares wall time (the figure the target is stated in); `cpu_ratio` the processes' CPU seconds per
+    step, which a busy shared machine disturbs less (both include idle spinning of torch's worker threads)."""
     summary = {"ratio": _ratios(runs, "step_seconds", warmup)}
     if all("step_cpu_seconds" in pair[side] for pair in runs for side in ("ours", "trl")):
         summary["cpu_ratio"] = _ratios(runs, "step_cpu_seconds", warmup)

@@ -1,7 +1,7 @@
 """Short chain-of-thought verifier SFT data from teacher samples: the pure part of rejection-sampling distillation.
 
-The command is `python -m launch.distill` (the issue asked for `data.distill`): sampling needs an engine
-and a model, and data/ imports neither ("sampling jobs live in launch", shared/architecture.json), so the
+The command is `python -m launch.distill`, not `data.distill`: sampling needs an engine and a model, and
+data/ imports neither (jobs that sample live in launch/: docs/conventions.md, "Where code lives"), so the
 generation loop lives in launch/distill.py and everything that decides what a sample is worth lives here,
 testable on scripted teacher outputs without a model.
 

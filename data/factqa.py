@@ -3,7 +3,7 @@
 The ground truth is the gold aliases joined with `;` (a plain string, which the corpus-grounded recipe's
 string-match judge splits); the system prompt asks for `<think>...</think><answer>...</answer>`.
 
-    python -m data.factqa convert --input ../shared/data/factqa/nq_open_validation.json --out nq.jsonl
+    python -m data.factqa convert --input factqa/nq_open_validation.json --out nq.jsonl
     python -m launch.self_filter --input nq.jsonl --out nq_zone.jsonl --group-size 8   # the learning zone
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ SYSTEM_PROMPT = (
     "Answer the question. First think it through inside <think> </think>, stating the facts you rely on, "
     "then give only the short final answer inside <answer> </answer>."
 )
-# File stems of ../shared/data/factqa to short data set names (any other file keeps its stem).
+# File stems of the factual-QA release files to short data set names (any other file keeps its stem).
 DATASET_NAMES = {
     "nq_open_validation": "nq_open",
     "popqa_test": "popqa",

@@ -3,10 +3,9 @@
 Why: by default glibc serves every allocation above its mmap threshold (at most 32 MB) with a fresh mmap and
 returns it with munmap on free, and trims the heap top back to the kernel. A training step allocates and
 frees the same large activations, gradients and logit chunks every step, so each step page-faults them in
-again (and the kernel zeroes every page): on the 2-core CPU, one update of SmolLM2-135M on 4 prompts x G=4
-x 64 tokens took ~600,000 minor page faults (2.4 GB) and 7.3 s; with mmap off and trimming off, no faults
-after the second step and 6.0 s, for 9% more peak resident memory (6,374 -> 6,937 MiB). This is what an
-LD_PRELOADed jemalloc or tcmalloc gives CPU PyTorch, set from inside the process.
+again (and the kernel zeroes every page). With mmap and trimming off the pages stay mapped: no faults after
+the second step, a faster update, a little more peak resident memory (bench/README.md, "Freed memory kept in
+the process"). This is what an LD_PRELOADed jemalloc or tcmalloc gives CPU PyTorch, set from inside the process.
 
 Only glibc on Linux has mallopt; elsewhere nothing changes. CUDA memory has its own caching allocator and
 is untouched either way.

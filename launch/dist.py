@@ -159,9 +159,9 @@ def exit_rank(code: int) -> NoReturn:
     Call it last, after shutdown(). DTensor's caches (its sharding propagator's, its redistribute planner's) keep
     the DeviceMesh, so the gloo process group and its threads, alive past destroy_process_group, and a finished
     rank now and then aborted in the interpreter's teardown that followed ("terminate called without an active
-    exception", SIGABRT, no Python frame): 3 of 490 runs of tests/test_reliability.py's two-rank CPU training.
-    A rank has closed its files and its reward workers by then, so it flushes the standard streams and the
-    logging handlers and leaves with os._exit. One process (no torchrun) exits as usual."""
+    exception", SIGABRT, no Python frame; how often is in bench/README.md). A rank has closed its files and its
+    reward workers by then, so it flushes the standard streams and the logging handlers and leaves with os._exit.
+    One process (no torchrun) exits as usual."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not under_torchrun():
         sys.exit(code)
     logging.shutdown()

@@ -12,9 +12,9 @@ kept ones become SFT rows (reasoning + `Final Judgment: \\boxed{X}`) with a repo
 (OUT with the suffix .report.json). Train on them with launch/configs/verifier_sft.yaml, then DAPO with
 launch/configs/verifier_dapo.yaml.
 
-Why here and not `python -m data.distill` (the name in issue 16): sampling needs a model and an engine, and
-data/ may import neither (shared/architecture.json: "sampling jobs live in launch"); data/distill.py holds the
-filters and the row writing, this module only generates.
+Why here and not `python -m data.distill`: sampling needs a model and an engine, and data/ may import neither
+(jobs that sample live in launch/: docs/conventions.md, "Where code lives"); data/distill.py holds the filters
+and the row writing, this module only generates.
 """
 from __future__ import annotations
 

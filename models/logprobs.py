@@ -231,9 +231,9 @@ def _completion_hidden(model, batch: dict, original: dict, *, share_prompts: boo
             return _packed_hidden(model, original, prompt_index if shared else None, captured)
         # On CPU, transformers' sdpa copies every key/value head num_key_value_groups times whenever a mask is
         # passed (and its backward sums the copies back); torch's kernel takes grouped-query attention natively
-        # (models.attention). SmolLM2-135M, 4 prompts x G=4 x 64 tokens, forward+backward: 5.99 s -> 5.71 s,
-        # the same logprobs. The graph records the function, so the backward needs no switch; gradient
-        # checkpointing's recomputation would run outside the switch, so it keeps the model's own function.
+        # (models.attention): faster, with the same logprobs (bench/README.md). The graph records the function,
+        # so the backward needs no switch; gradient checkpointing's recomputation would run outside the switch,
+        # so it keeps the model's own function.
         native = (getattr(model.config, "_attn_implementation", None) == "sdpa" and input_ids.device.type == "cpu"
                   and not checkpointing)
         with attention_implementation(model, SDPA_NATIVE_GQA if native else None):

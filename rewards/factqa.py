@@ -6,11 +6,11 @@ refusal ("I don't know"); format +1 for `<think>T</think><answer>A</answer>` wit
 sentences = [(char_start, char_end, r_sent)] for every sentence of the `<think>`/`<answer>` text: one
 triple per sentence, its head and tail content words counted together within 1000 tokens of a reference
 corpus (infini-gram's count_cnf definition by default, rewards.cooccurrence), and the count mapped to
-r_sent: no triple or query 0; count 0 -> -0.3; 1..4 -> -0.1; 5..19 -> 0; >= 20 -> +0.1 (thresholds where
-measured sentence accuracy jumps: 23% correct at count 0, 81% at >= 20).
-The trainer adds sentence_coef * r_sent to those sentences' tokens (DESIGN.md), so the sentence reward
-shapes; it is an order of magnitude smaller than the judge. Other keys: judge, format, correct (0/1),
-sentence_count, sentences_queried, sentence_reward_mean.
+r_sent: no triple or query 0; count 0 -> -0.3; 1..4 -> -0.1; 5..19 -> 0; >= 20 -> +0.1 (the corpus paper's
+thresholds, where its measured sentence accuracy jumps: 23% correct at count 0, 81% at >= 20).
+The trainer adds sentence_coef * r_sent to those sentences' tokens (docs/conventions.md, "Sentence rewards"),
+so the sentence reward shapes; it is an order of magnitude smaller than the judge. Other keys: judge, format,
+correct (0/1), sentence_count, sentences_queried, sentence_reward_mean.
 
 The registered `factqa_corpus` opens the index named by extra_info["corpus_index"] or the environment
 variable NANOGRPO_CORPUS_INDEX (once per path); make_factqa_reward(counter, extractor) builds one for any

@@ -128,7 +128,7 @@ def _completion_parts(solution_str: str) -> tuple[str | None, list[str], float, 
 
 def gated_score(format_score: float, gold_label: str, predicted_label: str, answer: float,
                 evidence: float, conciseness: float, items: list[str]) -> float:
-    """The published SciFact gate (issue 3): see scifact_evidence_reward for the branches."""
+    """The published SciFact gate: see scifact_evidence_reward for the branches."""
     if format_score < 1:
         return 0.0
     if gold_label == NOT_ENOUGH_INFO:

@@ -2,7 +2,7 @@
 
 Why whole layers: vLLM fuses q/k/v and gate/up into one tensor and rebuilds a fused module only once all its
 parts have arrived in the same reload call; a bucket holding q_proj and k_proj but not v_proj would leave the
-fused module half-written (measured on vLLM 0.32 CPU: logprobs off by 13 nats). Every parameter of a decoder
+fused module half-written (on vLLM 0.32 CPU the engine's logprobs then come out wrong). Every parameter of a decoder
 layer shares the prefix up to the layer index, so grouping by that prefix keeps every fused module whole.
 """
 from __future__ import annotations

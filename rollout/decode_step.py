@@ -1,9 +1,9 @@
 """One decoding step of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) written out as plain tensor
 operations on the model's own modules, for the transformers engine.
 
-Why: a decode step moves one token per row through every layer, so the model is mostly small operations;
-transformers' generic forward (output capturing, mask construction, keyword plumbing, its cache protocol) adds
-about 20 ms to a 140 ms step of SmolLM2-135M at 16 rows on the 2-core CPU. This step calls the same
+Why: a decode step moves one token per row through every layer, so the model is mostly small operations, and
+transformers' generic forward (output capturing, mask construction, keyword plumbing, its cache protocol) is a
+visible share of a step (measured in bench/README.md, "Decode-step profile"). This step calls the same
 modules (norms, rotary embedding, activation) in the same order; with module weights (`weights=None`) its
 hidden states equal the model's forward bit for bit (tests/test_rollout_hf.py checks the tokens and logprobs).
 Any other architecture, or a sliding-window configuration, uses the model's forward instead.
@@ -11,11 +11,10 @@ Any other architecture, or a sliding-window configuration, uses the model's forw
 On CPU the projections run on `DecodeWeights`: q/k/v concatenated into one matrix and gate/up into another
 (4 products per layer instead of 7), each reordered once per `generate` call into oneDNN's blocked layout
 (`torch.ops.mkldnn._reorder_linear_weight`, the kernels torch.compile's CPU backend uses for frozen
-weights). A product of a few rows by a weight read from memory is what a decode step is made of, and MKL's
-sgemm on the [out, in] layout of nn.Linear runs it poorly: SmolLM2-135M's 30 layers at 16 rows took 37-39 ms
-per step as nn.Linear calls and 27-31 ms prepacked (2 threads; 75 -> 52 ms at 1 thread), the vocabulary
-projection 6.7 -> 4.3 ms. The values differ from nn.Linear's by float rounding only (oneDNN sums in another
-order: ~1e-6 relative). The reordered copy costs one more copy of the weights while generating.
+weights). A product of a few rows by a weight read from memory is what a decode step is made of, and oneDNN's
+blocked layout runs such few-row products faster than MKL's sgemm on the [out, in] layout of nn.Linear. The
+values differ from nn.Linear's by float rounding only (oneDNN sums in another order: ~1e-6 relative). The
+reordered copy costs one more copy of the weights while generating.
 """
 from __future__ import annotations
 

@@ -184,11 +184,10 @@ def torch_threads(num_threads: int | None):
     (None: leave it alone).
 
     Why pin it: token-by-token decoding is many small ops; with two or more OpenMP threads the workers
-    spin between them, and on a busy machine each parallel region waits for a descheduled worker. Measured
-    on the 2-core CPU machines (SmolLM2-135M, 8 sequences): 1 thread 28-43 tokens/s against 2.5 with 2
-    threads under load; idle, 2 x 4 x 32 tokens took 6.4-7.1 s at 1 thread and 3.7 s at 2. vLLM lowers
-    torch to one thread for its own reasons. The restore also reinstates `torch.set_num_threads` itself, which building an in-process
-    vLLM CPU worker (vLLM 0.32) replaces with a no-op for the whole process.
+    spin between them, and on a busy machine each parallel region waits for a descheduled worker, so one
+    thread can be much faster there, while two win on an idle machine (bench/README.md has the figures).
+    vLLM lowers torch to one thread for its own reasons. The restore also reinstates `torch.set_num_threads`
+    itself, which building an in-process vLLM CPU worker (vLLM 0.32) replaces with a no-op for the whole process.
     """
     if num_threads is None:
         yield

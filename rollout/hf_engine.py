@@ -6,25 +6,14 @@ was drawn from, explicit sampling fields with nothing read from the model's gene
 option to drop finished rows from the batch (and the cache) so long-tail completions do not pay for short
 ones. bench/generate.py compares its speed with `generate`.
 
-Where a decode step's time goes and what the loop does about it (SmolLM2-135M, fp32, 4 prompts x G=4 at
-~200 prompt tokens, 2 threads of the 2-core CPU; per-step figures from the torch profiler and timed variants):
-- transformers' sdpa on CPU copies every key/value head 3 times (grouped-query attention with a mask) and its
-  DynamicCache concatenates the whole cache: 253 ms per step -> 162 ms with native GQA (models.attention) and
-  a cache allocated once (rollout.kv_cache);
-- transformers' generic forward around the modules: about 15-20 ms of a 140 ms step -> rollout.decode_step;
-- the [16, 576] x [576, 49,152] head in one product: 29 ms -> 17-24 ms in vocabulary slices (`_project`);
-- torch.multinomial: 20 ms -> 7-10 ms by inverse-CDF (rollout.sampling.draw_from_probabilities);
-- the 7 projections of a layer as nn.Linear calls (MKL on the [out, in] layout): 37-39 ms for the 30 layers
-  -> 27-31 ms as 4 products on weights stacked and reordered for oneDNN once per call, the head 6.7 -> 4.3 ms
-  (rollout.decode_step.pack_decode_weights);
-- the prompt's keys and values copied to each of its G rows: ~15 ms of attention per step -> ~8 ms with each
-  prompt's held once and attended by two flash calls merged by log-sum-exp (rollout.kv_cache.SharedPrefixCache);
-  with both, a whole generate of 4 x 4 x 64 tokens took 5.52 -> 4.59 s (side by side with the engine of
-  6dc8c0e, freed memory kept on both sides: about 78 -> 61 ms per step after the prefill);
-- what is left is the weight matmuls at 16 rows, bound by memory bandwidth (about 15 GB/s here: 540 MB of
-  fp32 weights per step, ~36 ms), attention (~8 ms) and ~15 ms of small operations (norms, rotary, sampling).
-torch.compile of the decoder was measured and is not used: 324 s to compile, then 164 ms per step, no faster
-than eager (the per-step cost is the matmuls, which inductor leaves to the same kernels).
+A decode step moves one token per row through every layer, so its cost is small operations and reading the
+weights; the loop avoids what transformers adds on CPU: grouped-query attention without copying the key/value
+heads (models.attention), a cache allocated once (rollout.kv_cache), each prompt's keys held once for its G rows
+(rollout.kv_cache.SharedPrefixCache), a written-out decode step on weights stacked and reordered for oneDNN
+(rollout.decode_step), the vocabulary projection in slices (`_project`) and inverse-CDF sampling
+(rollout.sampling). What is left is bound by memory bandwidth. torch.compile of the decoder is not used: it
+compiles slowly and is no faster per step, since the matmuls go to the same kernels. The measured profile of
+a step, change by change, is in bench/README.md ("Decode-step profile").
 """
 from __future__ import annotations
 
@@ -229,7 +218,7 @@ class HFEngine:
     def _decode_mask(self, attention_mask: Tensor) -> Tensor:
         """The mask of one decode step: [A, S] 0/1 as transformers takes it, or, with our sdpa function, the
         [A, 1, 1, S] additive float mask it would build from that (0 on real columns, -inf on padding), which
-        torch's CPU kernel runs faster than the boolean one (0.37 vs 0.58 ms per layer, 16 rows x 230 columns)."""
+        torch's CPU kernel runs faster than the boolean one (bench/README.md, "Decode-step profile")."""
         if self._attention is None:
             return attention_mask
         additive = torch.zeros(attention_mask.shape, dtype=self.model.dtype, device=attention_mask.device)
@@ -273,8 +262,8 @@ class HFEngine:
         """Nothing to release: the model is the caller's (or garbage once the engine goes)."""
 
 
-# Vocabulary rows per slice of the output projection during decoding. One [16, 576] x [576, 49,152] product
-# took 29 ms on the 2-core CPU (MKL handles a tall thin weight poorly); slices of 2,048 rows 17-24 ms.
+# Vocabulary rows per slice of the output projection during decoding: MKL handles one tall thin [V, H] weight
+# poorly, and slices of 2,048 rows run faster (bench/README.md, "Decode-step profile").
 HEAD_SLICE_ROWS = 2048
 
 

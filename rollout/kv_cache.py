@@ -131,7 +131,7 @@ class SharedPrefixCache(Cache):
     16 x (200 + t) keys per layer and step; here 4 x 200 + 16 x t. Each new token attends to its prompt's keys
     and to its own row's completion keys in two calls of torch's CPU flash-attention kernel, and the two
     partial results are merged by their log-sum-exp: softmax over the union of the keys, up to float rounding
-    (~1e-7). SmolLM2-135M, 16 rows, 200-token prompts, 2 threads: 270-310 us -> 110-160 us per layer.
+    (~1e-7). The time per layer it saves is in bench/README.md ("Decode-step profile").
 
     Rows are numbered as the engine lays them out, prompt i's n rows at i*n .. i*n+n-1; `batch_select_indices`
     drops rows that finished (their completion keys go; the prompt's stay while any row needs them).

@@ -62,9 +62,9 @@ def draw_from_probabilities(probabilities: Tensor, generator: torch.Generator) -
     probabilities: [A, V] float, >= 0, each row with a positive sum. Returns [A] int64.
 
     Why not torch.multinomial: it draws V exponential variates per row (786,432 for 16 rows of SmolLM2's
-    vocabulary), 20 ms of a 160 ms decode step on the 2-core CPU; this draws A uniforms and does one cumulative
-    sum, 7-10 ms. The sum is in float64 so that a token of probability 1e-9 next to a cumulative mass of 0.5
-    keeps its share (in float32 the running sum's rounding step there is 6e-8).
+    vocabulary), a large share of a CPU decode step; this draws A uniforms and does one cumulative sum. The
+    sum is in float64 so that a token of probability 1e-9 next to a cumulative mass of 0.5 keeps its share
+    (in float32 the running sum's rounding step there is 6e-8).
     A zero-probability index is never returned: the first index whose cumulative sum exceeds u * total is one
     where the sum grew.
     """

@@ -239,7 +239,7 @@ def reload_weights_in_place(llm, weights: list[tuple[str, Tensor]], *, repack_ti
       post-load processing. A plain `model.load_weights` fails on the CPU backend, whose linear weights
       are repacked after loading.
     - A tied lm_head is skipped by the reload (it has no checkpoint entry), so on the CPU backend its packed
-      GEMM copy of the embedding stays stale (measured: logprobs off by 5 nats after a step). Re-running its
+      GEMM copy of the embedding stays stale (the engine's logprobs are then wrong after a step). Re-running its
       quant method's `process_weights_after_loading` repacks it from the freshly loaded embedding; on GPUs
       this is a no-op for unquantised weights.
     - The reload logs a warning for every module absent from a partial (bucketed) call; those are expected,
