@@ -6,7 +6,7 @@ setup(
     version="0.1.0",
     description="Compact, hand-written GRPO/DAPO/SFT post-training for LLMs (FSDP2, vLLM, transformers).",
     python_requires=">=3.10",
-    # Listed explicitly: the top-level layout is part of the design (see README).
+    # Listed explicitly: the top-level layout is part of the design (docs/conventions.md, "Where code lives").
     packages=["grpo", "rollout", "rewards", "models", "launch", "data", "bench"],
     package_data={"launch": ["configs/*.yaml"], "rewards": ["templates/*.txt"], "data": ["fixtures/*"]},
     install_requires=[

@@ -2,7 +2,7 @@
 a format success and per-token sentence shaping, for training and for held-out evaluation alike.
 
 A reward function that fails raises here with the row named: it never becomes a 0 that looks like a
-judgement (DESIGN.md, "no silent no-learning").
+judgement (docs/conventions.md, "No silent no-learning").
 """
 from __future__ import annotations
 

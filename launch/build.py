@@ -172,8 +172,8 @@ def _policy(cfg: Config, dist, source: str | None, key: str, load: dict, tokeniz
         reference_model = model if lora.enabled else _load(cfg, dist, source, key, dict(load, dtype=compute)
                                                            ).eval().requires_grad_(False)
         reference = Reference(reference_model, adapters_off=lora.enabled, logprobs=logprob_spec(cfg, vocab_size))
-    # fused: one kernel over all parameters (CPU and CUDA, DTensor shards too); measured 4x faster than the
-    # per-parameter loop on CPU (bench/README.md).
+    # fused: one kernel over all parameters (CPU and CUDA, DTensor shards too), faster than the per-parameter
+    # loop on CPU (bench/README.md).
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr,
                                   betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(

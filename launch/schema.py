@@ -99,7 +99,7 @@ class RewardConfig:
     """Greedy tokens the extractor LM may write per sentence (one `head | relation | tail` line)."""
     cooccurrence_semantics: str = "engine"
     """factqa_corpus window definition: engine (infini-gram's count_cnf, what the paper's count thresholds
-    were calibrated on) or document (each side checked within the document; README, "Corpus counts")."""
+    were calibrated on) or document (each side checked within the document; docs/recipes.md, "Corpus counts")."""
     num_workers: int = bounded(0, 0)
     """Reward worker processes: a step's completions are scored concurrently, so a slow reward does not
     serialize the step, and a hung one can be abandoned (reward.timeout_s). 0 scores in the training process.
@@ -224,11 +224,11 @@ class TrainerConfig:
     """Held-out evaluation length (0: rollout.max_new_tokens)."""
     eval_batch_size: int = bounded(16, 1)
     """Held-out prompts completed at once (similar lengths together); larger batches decode faster per prompt
-    on CPU (48 instead of 16: 47 s -> 39 s for 48 task prompts) and need more KV-cache memory."""
+    and need more KV-cache memory (bench/README.md)."""
     keep_freed_memory: bool = True
     """CPU runs: glibc keeps freed memory for reuse instead of returning it to the kernel (launch/allocator.py),
-    so large tensors are not page-faulted in again every step (4 prompts x G=4 x 64 tokens on the 2-core CPU:
-    update 7.3-7.6 s -> 5.7-5.9 s, step 12.1-12.3 s -> 10.4-10.6 s). No effect on CUDA memory or off glibc."""
+    so large tensors are not page-faulted in again every step (bench/README.md, "Freed memory kept in the
+    process"). No effect on CUDA memory or off glibc."""
 
 
 @dataclass

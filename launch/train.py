@@ -1,6 +1,6 @@
 """The one entry point for SFT and RL (GRPO / DAPO / Dr. GRPO / process-reward GRPO), one process or torchrun.
 
-    python -m launch.train --config launch/configs/demo_grpo.yaml [key.sub=value ...] [--resume] [--dry-run]
+    python -m launch.train --config launch/configs/demo.yaml [key.sub=value ...] [--resume] [--dry-run]
     python -m launch.train --config launch/configs/veriseek_grpo.yaml --dry-run --device cuda --world-size 8
     torchrun --nproc_per_node=8 -m launch.train --config launch/configs/veriseek_grpo.yaml
     torchrun --nproc_per_node=8 --max-restarts=3 -m launch.train ... trainer.resume=auto   # a dead rank restarts

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-# ../shared/data beside the checkout (CI lays a copy there); NANOGRPO_SHARED_DATA overrides.
+# The public reference data (SciFact, factual QA) in a "shared/data" directory beside the checkout, where CI lays
+# a copy; NANOGRPO_SHARED_DATA points elsewhere.
 SHARED_DATA = Path(os.environ.get("NANOGRPO_SHARED_DATA", ROOT.parent / "shared" / "data"))
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -100,7 +100,7 @@ def test_corrupt_checkpoint_is_refused(setup, capsys):
     shutil.rmtree(checkpoint)
 
 
-# What a new user tried (issue 17): each was accepted by --dry-run, and prompts_per_step=0 crashed deep in the loop
+# What a new user tried: each was accepted by --dry-run, and prompts_per_step=0 crashed deep in the loop
 # after writing a run directory. Each must now fail at start-up naming the key, the value and the range.
 NONSENSE = [
     ("trainer.steps=-1", r"trainer\.steps=-1 is out of range: it must be >= 1"),

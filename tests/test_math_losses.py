@@ -28,7 +28,7 @@ def test_policy_loss_reference_numbers():
     loss, metrics = policy_loss(NEW, OLD, ADV, MASK, LossSpec(agg="token-mean", **kwargs))
     assert loss.item() == pytest.approx(-0.0099031954, abs=1e-10)
     loss, _ = policy_loss(NEW, OLD, ADV, MASK, LossSpec(agg="seq-mean-token-mean", **kwargs))
-    # The issue quotes -0.2483608001; the derivation above gives -0.24836080142 (the quoted 10-digit figure
+    # The quoted reference value is -0.2483608001; the derivation above gives -0.24836080142 (the quoted 10-digit figure
     # is off by 1.3e-9), so pin our own derivation tightly and the quoted figure to 2e-9.
     assert loss.item() == pytest.approx(-0.24836080142, abs=1e-11)
     assert loss.item() == pytest.approx(-0.2483608001, abs=2e-9)
