@@ -53,7 +53,7 @@ def child(args) -> None:
 
 
 def launch(way: str) -> list[dict]:
-    from tests.tests_support import free_port
+    from bench.gpu_common import free_port
     with tempfile.TemporaryDirectory() as directory:
         out = Path(directory) / "rows.json"
         command = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node=2", "--master_addr=127.0.0.1",

@@ -36,7 +36,7 @@ class Run:
         from models import load_model
         from models.batching import pad_batch
         from models.lora import apply_lora
-        from tests.tiny import tiny_model
+        from models.tiny import tiny_model
 
         self.rank = rank
         self.model = tiny_model("llama", seed=0) if quick else load_model(model_name)

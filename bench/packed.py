@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from models import load_model, load_tokenizer
-    from tests.tiny import tiny_model
+    from models.tiny import tiny_model
 
     if args.quick:
         args.max_len, args.rounds = min(args.max_len, 32), 1

@@ -208,7 +208,7 @@ def prepare_model(model: str | None, quick: bool, work_dir: Path) -> str | None:
     if not quick:
         return None if model in (None, "default") else model
     from models import load_tokenizer
-    from tests.tiny import tiny_model
+    from models.tiny import tiny_model
     directory = work_dir / "tiny"
     tiny_model("llama", seed=0).save_pretrained(directory)
     load_tokenizer(None).save_pretrained(directory)

@@ -75,17 +75,6 @@ def token_logprobs(logits: Tensor, labels: Tensor, *, temperature: float = 1.0, 
     return logprobs.view(batch, length)
 
 
-def token_entropy(logits: Tensor, *, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
-    """Entropy of softmax(logits.float() / temperature) per position: logits [B, T, V] -> [B, T] float32."""
-    _check_common(temperature, chunk_size)
-    if logits.ndim != 3:
-        raise ValueError(f"expected logits [B, T, V]; got {tuple(logits.shape)}")
-    batch, length, vocab = logits.shape
-    labels = torch.zeros(batch * length, dtype=torch.long, device=logits.device)
-    _, entropy = LogprobsFromLogits.apply(logits.reshape(batch * length, vocab), labels, float(temperature), chunk_size, True)
-    return entropy.view(batch, length)
-
-
 def _final_hidden_module(model: torch.nn.Module) -> torch.nn.Module:
     """The decoder stack whose output is the final (post-norm) hidden state that lm_head projects."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None

@@ -7,7 +7,8 @@ import torch
 
 import models.batching
 from models.batching import pad_batch
-from models.logprobs import completion_logprobs, prompt_groups, token_entropy, token_logprobs
+from models.chunked_softmax import LogprobsFromLogits
+from models.logprobs import _check_common, completion_logprobs, prompt_groups, token_logprobs
 from tiny import tiny_model
 
 
@@ -51,6 +52,16 @@ def test_pad_batch_rejects_bad_input(prompts, completions, message):
 def test_pad_batch_rejects_non_int_pad():
     with pytest.raises(ValueError, match="pad_id"):
         pad_batch([[1]], [[2]], pad_id=None)
+
+
+def token_entropy(logits, *, temperature=1.0, chunk_size=512):
+    """The chunked kernel's entropy of softmax(logits.float() / temperature): logits [B, T, V] -> [B, T] float32
+    (completion_logprobs(with_entropy=True) gets it from hidden states the same way)."""
+    _check_common(temperature, chunk_size)
+    batch, length, vocab = logits.shape
+    labels = torch.zeros(batch * length, dtype=torch.long, device=logits.device)
+    _, entropy = LogprobsFromLogits.apply(logits.reshape(batch * length, vocab), labels, float(temperature), chunk_size, True)
+    return entropy.view(batch, length)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
