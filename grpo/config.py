@@ -116,6 +116,10 @@ class AlgorithmConfig:
     """DAPO overlong shaping: penalty ramp length in tokens before max_new_tokens; 0 is off."""
     overlong_factor: float = bounded(1.0, 0)
     """Maximum overlong penalty."""
+    max_staleness: int = bounded(0, 0, 1)
+    """rollout.placement=separate: how many optimizer steps older than the trainer the weights that generated a
+    batch may be. 0: synchronous (the engines wait for every update); 1: one step off-policy (step n+1's batch is
+    generated during step n's update), the behaviour policy corrected by truncated IS (tis_cap)."""
     tis_cap: float | None = bounded(None, 0, low_open=True)
     """Truncated importance sampling cap C for the rollout/trainer mismatch; null is off."""
     tis_level: str = choice("token", IS_LEVELS)

@@ -44,6 +44,7 @@ class Batch:
     components: dict[str, list[float]]
     rounds: int
     generated_groups: int
+    policy_version: int = 0  # optimizer steps of the weights that generated it (staleness: the step minus this)
 
     @classmethod
     def from_groups(cls, groups: Sequence[Group], weights: Sequence[float], *, rounds: int, generated: int) -> Batch:
@@ -80,13 +81,22 @@ def generate_groups(engine, scorer: Scorer, rows: Sequence[dict], prompt_ids: Se
 def collect_groups(engine, sampler, rows: Sequence[dict], prompt_ids: Sequence[list[int]], scorer: Scorer, *,
                    num_prompts: int, group_size: int, sampling: dict, seed: int, dynamic_sampling: bool = False,
                    max_rounds: int = 1, shares: int = 1, share: int = 0) -> Batch:
+    """Share `share` of collect_shares(...): num_prompts groups."""
+    return collect_shares(engine, sampler, rows, prompt_ids, scorer, num_prompts=num_prompts, group_size=group_size,
+                          sampling=sampling, seed=seed, dynamic_sampling=dynamic_sampling, max_rounds=max_rounds,
+                          shares=shares)[share]
+
+
+def collect_shares(engine, sampler, rows: Sequence[dict], prompt_ids: Sequence[list[int]], scorer: Scorer, *,
+                   num_prompts: int, group_size: int, sampling: dict, seed: int, dynamic_sampling: bool = False,
+                   max_rounds: int = 1, shares: int = 1) -> list[Batch]:
     """Generate and score until `shares * num_prompts` groups are kept (all of them without dynamic sampling),
-    and return share `share` of them: num_prompts groups.
+    and cut them into `shares` batches of num_prompts groups.
 
     sampler: data.sampler.PromptSampler (`next(count)` -> row indices of this replica).
-    shares:  the ranks of one engine replica (vLLM tensor parallelism), which must submit identical requests:
-             each of them runs this with the same sampler state and seed, gets the same groups, and keeps its
-             own share. 1: this rank alone.
+    shares:  the trainer ranks one replica generates for: the ranks of a tensor-parallel replica (each runs this
+             with the same sampler state and seed, as vLLM needs, gets the same groups and keeps its own share), or
+             the trainers a replica on ranks of its own serves (launch/separate.py). 1: this rank alone.
     With dynamic sampling (DAPO) a group is kept only when its correctness is not constant; a batch that is
     still short after `max_rounds` rounds is filled with dropped groups whose loss weight is 0, so every rank
     runs the same number of micro-batches (FSDP needs it). Round 0 generates with `seed` (the trainer's
@@ -107,5 +117,5 @@ def collect_groups(engine, sampler, rows: Sequence[dict], prompt_ids: Sequence[l
     chosen = kept[:wanted]
     weights = [1.0] * len(chosen) + [0.0] * (wanted - len(chosen))
     chosen += dropped[: wanted - len(chosen)]
-    mine = slice(share * num_prompts, (share + 1) * num_prompts)
-    return Batch.from_groups(chosen[mine], weights[mine], rounds=rounds, generated=rounds * num_prompts)
+    return [Batch.from_groups(chosen[index:index + num_prompts], weights[index:index + num_prompts], rounds=rounds,
+                              generated=rounds * num_prompts) for index in range(0, wanted, num_prompts)]

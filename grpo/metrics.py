@@ -21,7 +21,7 @@ def _nanmean(values) -> float:
 
 
 def step_metrics(batch, rewards: Tensor, group_size: int, updates: list[dict], times: dict, *, grad_norm: float,
-                 lr: float, skipped: float, sync_info: dict) -> dict:
+                 lr: float, skipped: float, sync_info: dict, step: int = 0) -> dict:
     """Everything one step logs. batch: grpo.groups.Batch; rewards: [B] the rewards advantages were computed
     from (overlong penalty included); `updates` holds one dict per micro-batch update (epoch 0 first).
     Per-update metrics come from the updates that trained on some token: a micro-batch of filler groups
@@ -38,6 +38,7 @@ def step_metrics(batch, rewards: Tensor, group_size: int, updates: list[dict], t
         "flat_group_frac": float(flat_groups(rewards, group_size).float().mean()),
         "kept_group_frac": float(batch.loss_weight.view(-1, group_size)[:, 0].mean()),
         "gen_rounds": float(batch.rounds),
+        "staleness": float(step - batch.policy_version),  # 0 on-policy; 1 one step off (rollout.placement=separate)
         "shaped_token_frac": float(masked_mean((batch.token_shaping != 0).float(), batch.mask)),  # sentence reward on?
         "truncation_rate": sum(truncated) / len(truncated),
         "response_length_mean": float(lengths.mean()),

@@ -1,7 +1,7 @@
 """The RL loop (GRPO, DAPO, Dr. GRPO, GSPO, RLOO, REINFORCE++, CISPO, process-reward GRPO): one function, read
 top to bottom, one call per phase of a step.
 
-    rollout  (grpo.groups.collect_groups)  P prompts x G completions per rank, scored; DAPO keeps informative groups
+    rollout  (rollout, grpo.groups)        P prompts x G completions per rank, scored; DAPO keeps informative groups
     prepare  (grpo.prepare.prepare)        the update's plan, old/reference logprobs, rewards, advantages
     update   (grpo.update.update)          ppo_epochs passes over the mini-batches, one optimizer step each
     sync     (parts.sync_weights)          the engine gets the updated weights
@@ -57,13 +57,7 @@ def train_rl(parts: RLParts, dist: Collectives) -> dict:
         times: dict[str, float] = {}
         lr = parts.policy.scheduler.get_last_lr()[0]
         with timed(times, "rollout_reward", step + 1):
-            batch = collect_groups(
-                parts.engine, parts.sampler, parts.rows, parts.prompt_ids, parts.scorer,
-                num_prompts=spec.batching.prompts_per_step, group_size=spec.batching.group_size,
-                sampling=spec.sampling.kwargs(), seed=stream_seed(spec.seed, step, dist.dp_rank),
-                dynamic_sampling=spec.dynamic_sampling, max_rounds=spec.max_gen_batches, shares=dist.tp_size,
-                share=dist.tp_rank)
-            parts.engine.sleep()  # vLLM on GPUs: free weights and KV cache while the trainer runs (no-op on CPU)
+            batch = rollout(parts, dist, step)
         with timed(times, "logprob", step + 1):
             prepared = prepare(parts, batch, dist)
         with timed(times, "update", step + 1):
@@ -75,7 +69,7 @@ def train_rl(parts: RLParts, dist: Collectives) -> dict:
 
         metrics = reduce_metrics(step_metrics(batch, prepared.rewards, spec.batching.group_size, result.records,
                                               times, grad_norm=result.grad_norm, lr=lr, skipped=float(skips > 0),
-                                              sync_info=sync_info), dist)
+                                              sync_info=sync_info, step=step), dist)
         if parts.evaluate and (step + 1 == spec.steps or evaluation_due(step + 1, spec.evaluation.every, spec.steps)):
             results["after"] = held_out(parts, step + 1)
             if spec.evaluation.every:  # a point of the held-out curve
@@ -88,6 +82,24 @@ def train_rl(parts: RLParts, dist: Collectives) -> dict:
             break
     parts.checkpoints.finish()
     return {"final": metrics, **results}
+
+
+def rollout(parts: RLParts, dist: Collectives, step: int):
+    """This rank's P prompts x G completions of step `step`, scored (grpo.groups.Batch): from the rollout ranks when
+    they run apart (parts.remote), else from this rank's engine, whose memory is then freed for the update. The
+    ranks of a tensor-parallel replica submit the same requests and keep their own shares."""
+    if parts.remote is not None:
+        return parts.remote.collect(step)
+    spec = parts.spec
+    batch = collect_groups(
+        parts.engine, parts.sampler, parts.rows, parts.prompt_ids, parts.scorer,
+        num_prompts=spec.batching.prompts_per_step, group_size=spec.batching.group_size,
+        sampling=spec.sampling.kwargs(), seed=stream_seed(spec.seed, step, dist.dp_rank),
+        dynamic_sampling=spec.dynamic_sampling, max_rounds=spec.max_gen_batches, shares=dist.tp_size,
+        share=dist.tp_rank)
+    batch.policy_version = step
+    parts.engine.sleep()  # vLLM on GPUs: free weights and KV cache while the trainer runs (no-op on CPU)
+    return batch
 
 
 def first_group_samples(batch, rewards, group_size: int) -> list[dict]:

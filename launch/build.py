@@ -48,6 +48,7 @@ class Run:
     engine: Engine | None
     prepared: Prepared  # what the start-up checks produced
     reward_pool: object | None  # launch.reward_pool.RewardPool, or None (rewards scored in this process)
+    remote: object | None = None  # launch.separate.RemoteRollout when the engines run on ranks of their own
 
     def close(self) -> None:
         """Close the log and stop the reward workers (the engine is closed by launch.train after a full run)."""
@@ -191,12 +192,64 @@ def build(cfg: Config, dist, *, resume: bool = False, stop_requested: Callable[[
     if resume:
         cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume="always"))
     prepared = prepare(cfg, dist, rows=rows, eval_rows=eval_rows)
-    scoring = _reward_scoring(cfg, dist, prepared.rows + prepared.eval_rows)
+    placement = getattr(dist, "placement", None)
+    if placement is not None and placement.is_rollout:  # rollout.placement=separate: this rank only generates
+        return _rollout_side(cfg, dist, prepared)
+    scoring = _reward_scoring(cfg, dist, prepared.rows + prepared.eval_rows) if placement is None else (None,) * 3
     try:
         return _assemble(cfg, dist, prepared, scoring, stop_requested)
     except BaseException:
         if scoring[2] is not None:
             scoring[2].close()
+        raise
+
+
+@dataclass(frozen=True)
+class RolloutRun:
+    """A built rollout rank (rollout.placement=separate): what launch.separate.serve runs."""
+    side: object  # launch.separate.RolloutSide
+    engine: Engine
+    reward_pool: object | None
+
+    def close(self) -> None:
+        if self.reward_pool is not None:
+            self.reward_pool.close()
+
+
+def _rollout_side(cfg: Config, dist, prepared: Prepared) -> RolloutRun:
+    """A rollout rank: its engine (its own weights, which the trainers' first broadcast replaces), the rewards, this
+    replica's order over the rows, and the held-out evaluation."""
+    from launch.separate import RolloutSide
+    from models.chat import prefix_decoder
+    from models.loading import resolve_model_dir
+    placement, tokenizer = dist.placement, prepared.tokenizer
+    torch.manual_seed(cfg.seed)
+    compute_score, compute_scores, pool = _reward_scoring(cfg, dist, prepared.rows + prepared.eval_rows)
+    try:
+        target = Target.here(1)  # one engine of its own per replica, outside the trainers' world
+        engine, _ = build_engine(cfg, target, resolve_model_dir(prepared.source), tokenizer, device=dist.device,
+                                 dp_rank=dist.dp_rank)
+        scorer = Scorer(compute_score, prefix_decoder(tokenizer), sentence_coef=cfg.reward.sentence_coef,
+                        correct_threshold=cfg.reward.correct_threshold, compute_scores=compute_scores)
+        replicas, trainers = dist.dp_size, len(placement.trainer_ranks)
+        per_replica = trainers // replicas
+        sampler = PromptSampler(len(prepared.rows), seed=cfg.seed, rank=dist.dp_rank, world_size=replicas,
+                                shuffle=cfg.data.shuffle)
+        held_out = None
+        if prepared.eval_rows:
+            score = functools.partial(evaluate, engine, scorer, prepared.eval_rows, prepared.eval_prompt_ids, dist,
+                                      max_new_tokens=cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens,
+                                      batch_size=cfg.trainer.eval_batch_size)
+            held_out = lambda step: score()  # noqa: E731
+        side = RolloutSide(spec=rl_spec(cfg, trainers, None), engine=engine, sampler=sampler, rows=prepared.rows,
+                           prompt_ids=prepared.prompt_ids, scorer=scorer, evaluate=held_out, placement=placement,
+                           replicas=replicas, replica=dist.dp_rank, lead=dist.tp_rank == 0,
+                           served=tuple(range(dist.dp_rank * per_replica, (dist.dp_rank + 1) * per_replica)),
+                           max_staleness=cfg.algorithm.max_staleness, device=dist.device)
+        return RolloutRun(side, engine, pool)
+    except BaseException:
+        if pool is not None:
+            pool.close()
         raise
 
 
@@ -210,9 +263,17 @@ def _assemble(cfg: Config, dist, prepared: Prepared, scoring, stop_requested: Ca
     load = dict(dtype=getattr(torch, cfg.model.dtype), device=dist.device, attn_implementation=attention(cfg, target),
                 trust_remote_code=cfg.model.trust_remote_code)
     policy, reference, vocab_size = _policy(cfg, dist, source, prepared.source_key, load, tokenizer)
-    # One order over the rows per replica: the ranks of a tensor-parallel replica draw the same prompts.
-    sampler = PromptSampler(len(rows), seed=cfg.seed, rank=dist.dp_rank, world_size=dist.dp_size,
-                            shuffle=cfg.data.shuffle)
+    remote = None
+    if dist.placement is not None:  # the batches come from the rollout ranks (launch/separate.py)
+        from launch.separate import PositionOf, RemoteRollout
+        replicas = cfg.rollout.num_ranks  # one engine per rollout rank (launch.preflight.check_placement)
+        remote = RemoteRollout(dist.placement, policy.model, replicas=replicas, steps=cfg.trainer.steps,
+                               has_held_out=bool(eval_rows), bucket_bytes=cfg.rollout.sync_bucket_mb << 20)
+        sampler = PositionOf(remote)
+    else:
+        # One order over the rows per replica: the ranks of a tensor-parallel replica draw the same prompts.
+        sampler = PromptSampler(len(rows), seed=cfg.seed, rank=dist.dp_rank, world_size=dist.dp_size,
+                                shuffle=cfg.data.shuffle)
     checkpoints = Checkpointer(run_dir, policy, tokenizer, sampler, dist, lora=cfg.model.lora, steps=cfg.trainer.steps,
                                save_every=cfg.trainer.save_every, keep_last=cfg.trainer.keep_last,
                                stop_requested=stop_requested)
@@ -223,7 +284,13 @@ def _assemble(cfg: Config, dist, prepared: Prepared, scoring, stop_requested: Ca
             raise ConfigError(f"resuming from {prepared.latest}: {error}") from None
 
     engine, sync_weights = None, (lambda: {})
-    if cfg.stage == "rl" or eval_rows:
+    if remote is not None:
+        limit = f"rollout.sync_timeout_s={cfg.rollout.sync_timeout_s:g} s"
+        sync_weights = with_deadline(remote.sync, cfg.rollout.sync_timeout_s, limit, lambda: (
+            f"weight broadcast (phase: sync) at step {checkpoints.step} on rank {dist.rank}"))
+        positions = checkpoints.positions or [0] * dist.world_size
+        remote.start(checkpoints.start_step, [positions[r * (dist.world_size // replicas)] for r in range(replicas)])
+    elif cfg.stage == "rl" or eval_rows:
         from models.loading import resolve_model_dir
         engine, engine_sync = build_engine(cfg, target, resolve_model_dir(source), tokenizer, device=dist.device,
                                            dp_rank=dist.dp_rank, policy=policy.model)
@@ -246,10 +313,13 @@ def _assemble(cfg: Config, dist, prepared: Prepared, scoring, stop_requested: Ca
     from models.chat import prefix_decoder
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     compute_score, compute_scores, pool = scoring
-    scorer = Scorer(compute_score, prefix_decoder(tokenizer), sentence_coef=cfg.reward.sentence_coef,
-                    correct_threshold=cfg.reward.correct_threshold, compute_scores=compute_scores)
+    scorer = None if remote is not None else Scorer(  # with the engines apart, the rollout ranks score
+        compute_score, prefix_decoder(tokenizer), sentence_coef=cfg.reward.sentence_coef,
+        correct_threshold=cfg.reward.correct_threshold, compute_scores=compute_scores)
     held_out = None
-    if eval_rows:
+    if remote is not None:
+        held_out = remote.evaluate if eval_rows else None
+    elif eval_rows:
         score_held_out = functools.partial(
             evaluate, engine, scorer, eval_rows, prepared.eval_prompt_ids, dist,
             max_new_tokens=cfg.trainer.eval_max_new_tokens or cfg.rollout.max_new_tokens,
@@ -261,8 +331,8 @@ def _assemble(cfg: Config, dist, prepared: Prepared, scoring, stop_requested: Ca
     else:
         parts = RLParts(spec=rl_spec(cfg, dist.world_size, vocab_size), engine=engine, sync_weights=sync_weights,
                         reference_logprobs=reference, rows=rows, prompt_ids=prepared.prompt_ids, scorer=scorer,
-                        **common)
-    return Run(parts, run_dir, log, checkpoints, engine, prepared, pool)
+                        remote=remote, **common)
+    return Run(parts, run_dir, log, checkpoints, engine, prepared, pool, remote)
 
 
 def logprob_spec(cfg: Config, vocab_size: int | None) -> LogprobSpec:

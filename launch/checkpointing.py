@@ -45,6 +45,7 @@ class Checkpointer:
         self.policy, self.tokenizer, self.sampler, self.dist, self.lora = policy, tokenizer, sampler, dist, lora
         self.steps, self.save_every, self.keep_last, self.stop_requested = steps, save_every, keep_last, stop_requested
         self.start_step = self.completed_steps = 0
+        self.positions: list[int] | None = None
         self.step = 1  # the step the run is at: the one in progress, or the one being checkpointed (for errors)
 
     def resume(self, checkpoint: Path) -> int:
@@ -55,7 +56,8 @@ class Checkpointer:
         load = load_lora_checkpoint if self.lora.enabled else load_checkpoint
         step, extra = load(checkpoint, self.policy.model, self.policy.optimizer)
         self.policy.scheduler.load_state_dict(extra["scheduler"])
-        self.sampler.position = extra["sampler_position"][self.dist.rank]
+        self.positions = list(extra["sampler_position"])  # every rank's, for the rollout ranks of a separate placement
+        self.sampler.position = self.positions[self.dist.rank]
         self.start_step = self.completed_steps = step
         self.step = step + 1
         return step

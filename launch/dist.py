@@ -30,6 +30,7 @@ class DistInfo:
     all_reduce_sum: Callable = _identity
     all_reduce_max: Callable = _identity
     tp_size: int = 1  # ranks per engine replica (launch.plan.tp_groups): consecutive ranks share prompts and seeds
+    placement: Placement | None = None  # rollout.placement=separate: this rank's role and the groups between roles
 
     @property
     def is_main(self) -> bool:
@@ -39,6 +40,11 @@ class DistInfo:
     def sharded(self) -> bool:
         """Under torchrun (a process group and its mesh, even of one rank): the policy is sharded with FSDP2."""
         return self.mesh is not None
+
+    @property
+    def distributed(self) -> bool:
+        """A process group exists (torchrun): the teardown has one to destroy."""
+        return self.mesh is not None or self.placement is not None
 
     @property
     def dp_rank(self) -> int:
@@ -64,15 +70,34 @@ class CollectiveFailed(RuntimeError):
         self.collective = collective
 
 
-def _all_reduce(op):
+def _all_reduce(op, group=None):
     def reduce(tensor):
         tensor = tensor.clone()
         try:
-            torch_dist.all_reduce(tensor, op=op)
+            torch_dist.all_reduce(tensor, op=op, group=group)
         except Exception as error:
             raise CollectiveFailed(f"all_reduce {op.name.lower()}") from error
         return tensor
     return reduce
+
+
+@dataclass(frozen=True)
+class Placement:
+    """rollout.placement=separate: ranks [0, T) train, ranks [T, W) run the engines (launch/separate.py).
+
+    trainer_ranks / rollout_ranks: global ranks of each role. Groups (every rank creates every one, in the same
+    order): `link` (gloo, all ranks: batches and held-out results, point to point) and `weights` (trainer 0 and
+    the rollout ranks, NCCL on GPUs: the weight broadcast)."""
+    role: str  # "trainer" or "rollout"
+    global_rank: int
+    trainer_ranks: tuple[int, ...]
+    rollout_ranks: tuple[int, ...]
+    link: object
+    weights: object
+
+    @property
+    def is_rollout(self) -> bool:
+        return self.role == "rollout"
 
 
 def process_group_options(device: torch.device, *, blocking_wait: bool = True) -> tuple[str, dict, dict]:
@@ -96,13 +121,16 @@ def process_group_options(device: torch.device, *, blocking_wait: bool = True) -
     return "nccl", {"device_id": device}, ({"TORCH_NCCL_BLOCKING_WAIT": "1"} if blocking_wait else {})
 
 
-def init_distributed(timeout_s: float = 1800.0, *, nccl_blocking_wait: bool = True) -> DistInfo:
+def init_distributed(timeout_s: float = 1800.0, *, nccl_blocking_wait: bool = True, rollout_ranks: int = 0) -> DistInfo:
     """One process, or the torchrun world (nccl on CUDA, gloo on CPU: process_group_options), of any size: under
     torchrun even one rank gets its process group and FSDP2 (`torchrun --nproc_per_node=1` runs the multi-GPU
     code path on one GPU). Call once, before building vLLM.
 
     timeout_s (trainer.collective_timeout_s): how long a collective waits for the other ranks before it raises,
-    so a rank that died or stopped answering ends the run with an error instead of a hang."""
+    so a rank that died or stopped answering ends the run with an error instead of a hang. rollout_ranks > 0
+    (rollout.placement=separate): the last rollout_ranks ranks run the engines; this rank's DistInfo then counts
+    the ranks of its own role only (its collectives, mesh and models.fsdp's group are its role's), and
+    `placement` holds the groups between the roles."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
@@ -127,11 +155,41 @@ def init_distributed(timeout_s: float = 1800.0, *, nccl_blocking_wait: bool = Tr
                                           **options)
         else:
             torch_dist.init_process_group(backend, timeout=timeout, **options)
+    if rollout_ranks:
+        return _separate(torch_dist.get_rank(), world_size, rollout_ranks, local_rank, device)
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(device.type, (world_size,))
     return DistInfo(rank=torch_dist.get_rank(), world_size=world_size, local_rank=local_rank, device=device,
                     mesh=mesh, all_reduce_sum=_all_reduce(torch_dist.ReduceOp.SUM),
                     all_reduce_max=_all_reduce(torch_dist.ReduceOp.MAX))
+
+
+def _separate(rank: int, world_size: int, rollout_ranks: int, local_rank: int, device: torch.device) -> DistInfo:
+    """The DistInfo of one role of a separate placement (see init_distributed)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from models import fsdp
+    if not 0 < rollout_ranks < world_size:
+        raise ValueError(f"rollout.num_ranks={rollout_ranks} must leave at least one of the {world_size} ranks "
+                         f"training and take at least one")
+    trainers = tuple(range(world_size - rollout_ranks))
+    engines = tuple(range(len(trainers), world_size))
+    trainer_group = torch_dist.new_group(list(trainers))
+    rollout_group = torch_dist.new_group(list(engines), backend="gloo")
+    link = torch_dist.new_group(list(range(world_size)), backend="gloo")
+    weights = torch_dist.new_group([trainers[0], *engines])
+    role = "rollout" if rank in engines else "trainer"
+    placement = Placement(role, rank, trainers, engines, link, weights)
+    if role == "trainer":
+        fsdp.use_group(trainer_group)
+        return DistInfo(rank=rank, world_size=len(trainers), local_rank=local_rank, device=device,
+                        mesh=DeviceMesh.from_group(trainer_group, device.type),
+                        all_reduce_sum=_all_reduce(torch_dist.ReduceOp.SUM, trainer_group),
+                        all_reduce_max=_all_reduce(torch_dist.ReduceOp.MAX, trainer_group), placement=placement)
+    fsdp.use_group(rollout_group)
+    return DistInfo(rank=rank - len(trainers), world_size=len(engines), local_rank=local_rank, device=device,
+                    all_reduce_sum=_all_reduce(torch_dist.ReduceOp.SUM, rollout_group),
+                    all_reduce_max=_all_reduce(torch_dist.ReduceOp.MAX, rollout_group), placement=placement)
 
 
 def under_torchrun() -> bool:
@@ -140,13 +198,13 @@ def under_torchrun() -> bool:
 
 
 def barrier(dist: DistInfo) -> None:
-    if dist.sharded:
+    if dist.distributed:
         torch_dist.barrier()
 
 
 def shutdown(dist: DistInfo) -> None:
     # vLLM may have torn the group down already ("Invalid process group specified"): guard the teardown.
-    if dist.sharded and torch_dist.is_initialized():
+    if dist.distributed and torch_dist.is_initialized():
         try:
             torch_dist.destroy_process_group()
         except Exception:

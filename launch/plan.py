@@ -14,7 +14,7 @@ import torch
 from launch.schema import Config
 from launch.config import ConfigError
 from models.loading import choose_attention
-from rollout.vllm_engine import SLEEP_LEVEL
+from rollout.vllm_engine import SLEEP_LEVEL, WORKER_EXTENSION
 
 # vLLM's engine calls for one RL step, colocated on GPUs (vLLM's documented order for weight updates): level 2
 # sleep drops weights and KV cache (the sync overwrites every weight, so nothing is copied to host and back);
@@ -111,7 +111,11 @@ def vllm_arguments(cfg: Config, target: Target, model_path: str = "<model direct
         generation_config="vllm",  # never take sampling defaults from the model's generation_config.json
         enable_sleep_mode=cuda,  # a CUDA allocator feature
     )
-    if target.sharded:  # a process group exists: vLLM joins it instead of making a world of its own
+    if cfg.rollout.placement == "separate":
+        # A rollout rank of a separate placement: vLLM's engine core runs in a process (and a world) of its own, and
+        # the weights reach it through a worker extension (rollout.vllm_engine.WeightReload).
+        arguments["worker_extension_cls"] = WORKER_EXTENSION
+    elif target.sharded:  # a process group exists: vLLM joins it instead of making a world of its own
         arguments["distributed_executor_backend"] = "external_launcher"
     if cuda:
         arguments["gpu_memory_utilization"] = cfg.rollout.vllm_gpu_memory_utilization
@@ -143,7 +147,7 @@ def check_plan(cfg: Config, target: Target) -> None:
     if cfg.rollout.tensor_parallel_size > 1 and cfg.rollout.engine != "vllm":
         raise ConfigError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} needs rollout.engine=vllm "
                           f"(the transformers engine runs on one rank)")
-    if world % tp:
+    if world % tp and cfg.rollout.placement == "colocated":  # separate: launch.preflight.check_placement
         raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the world size {world}: every rank "
                           f"must belong to one replica")
     needed = cfg.data.max_prompt_tokens + _longest_completion(cfg)
@@ -173,6 +177,17 @@ def logprob_pass(cfg: Config, target: Target) -> str:
     return "shared prompts"
 
 
+def placement(cfg: Config, target: Target) -> dict:
+    """Which ranks train and which generate (launch/separate.py), and how stale a batch may be."""
+    world = target.world_size
+    if cfg.rollout.placement != "separate":
+        return {"mode": "colocated", "trainer_ranks": list(range(world)), "rollout_ranks": list(range(world)),
+                "max_staleness": 0}
+    trainers = world - cfg.rollout.num_ranks
+    return {"mode": "separate", "trainer_ranks": list(range(trainers)), "rollout_ranks": list(range(trainers, world)),
+            "max_staleness": cfg.algorithm.max_staleness}
+
+
 def run_plan(cfg: Config, target: Target, model_path: str = "<model directory>") -> dict:
     """The whole plan as one JSON-able object (what --dry-run prints); checked first (check_plan)."""
     check_plan(cfg, target)
@@ -182,7 +197,7 @@ def run_plan(cfg: Config, target: Target, model_path: str = "<model directory>")
             "precision": precision(cfg, target), "attention": attention(cfg, target),
             "logprob_pass": logprob_pass(cfg, target),
             "engine": cfg.rollout.engine, "engine_cycle": engine_cycle(cfg, target),
-            "tp_groups": tp_groups(target.world_size, tp), "vllm": None}
+            "tp_groups": tp_groups(target.world_size, tp), "placement": placement(cfg, target), "vllm": None}
     if cfg.rollout.engine == "vllm":
         plan["vllm"] = vllm_arguments(cfg, target, model_path)
     return plan

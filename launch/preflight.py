@@ -84,7 +84,7 @@ def check_versions(cfg: Config, torch_version: str | None = None, vllm_version: 
         raise ConfigError(f"rollout.engine=vllm: {error}") from None
 
 
-def _check_settings(cfg: Config, world_size: int = 1, target=None) -> None:
+def _check_settings(cfg: Config, world_size: int = 1, target=None, *, whole_world: int | None = None) -> None:
     """Checks that relate settings to each other (each numeric setting's own range is checked when the config
     is read: launch/schema.py declares it beside the field), and what the target (launch.plan.Target; default
     this machine) cannot run."""
@@ -95,6 +95,7 @@ def _check_settings(cfg: Config, world_size: int = 1, target=None) -> None:
         raise ConfigError(f"rollout.n={cfg.rollout.n}: a group needs at least 2 completions for a baseline")
     if cfg.stage == "rl":
         _check_rl(cfg, world_size)
+        check_placement(cfg, whole_world or world_size)
     if cfg.algorithm.overlong_cache_len > cfg.rollout.max_new_tokens:
         raise ConfigError(f"algorithm.overlong_cache_len={cfg.algorithm.overlong_cache_len} exceeds "
                           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
@@ -171,6 +172,36 @@ def _check_rl(cfg: Config, world_size: int = 1) -> None:
                           "model.attn_implementation=eager cannot pack")
 
 
+def check_placement(cfg: Config, world_size: int) -> None:
+    """rollout.placement=separate: rollout ranks that leave trainers, replicas that divide the trainers, and the
+    correction that staleness needs. world_size: the whole torchrun world here."""
+    rollout, algo = cfg.rollout, cfg.algorithm
+    if rollout.placement == "colocated":
+        if rollout.num_ranks:
+            raise ConfigError(f"rollout.num_ranks={rollout.num_ranks} needs rollout.placement=separate")
+        if algo.max_staleness:
+            raise ConfigError(f"algorithm.max_staleness={algo.max_staleness} needs rollout.placement=separate: "
+                              f"colocated ranks generate with the weights they train")
+        return
+    if not 0 < rollout.num_ranks < world_size:
+        raise ConfigError(f"rollout.placement=separate with rollout.num_ranks={rollout.num_ranks} in a world of "
+                          f"{world_size} ranks: at least one rank must generate and at least one must train "
+                          f"(launch with torchrun --nproc_per_node >= {rollout.num_ranks + 1})")
+    tp = rollout.tensor_parallel_size if rollout.engine == "vllm" else 1
+    if tp > 1:
+        # A rollout rank's vLLM runs in a process and a world of its own (launch.plan.vllm_arguments); spanning
+        # several rollout ranks' devices with one tensor-parallel engine is not built.
+        raise ConfigError(f"rollout.tensor_parallel_size={tp} with rollout.placement=separate: each rollout rank runs "
+                          f"one engine on its own device (tensor_parallel_size 1); use more rollout.num_ranks")
+    trainers, replicas = world_size - rollout.num_ranks, rollout.num_ranks
+    if trainers % replicas:
+        raise ConfigError(f"rollout.num_ranks={rollout.num_ranks} makes {replicas} engine replicas, which do not "
+                          f"divide the {trainers} trainer ranks: each replica serves an equal share of them")
+    if algo.max_staleness and algo.tis_cap is None:
+        raise ConfigError(f"algorithm.max_staleness={algo.max_staleness} needs algorithm.tis_cap: the batches come "
+                          f"from an older policy, which truncated importance sampling corrects")
+
+
 def startup_warnings(cfg: Config) -> list[str]:
     """Settings that are allowed but train something a user may not expect; printed once at start-up."""
     warnings = []
@@ -194,7 +225,10 @@ def check_config(cfg: Config, dist, *, rows: list[dict] | None = None,
     (launch.api.train) take the place of data.train_files / data.eval_files. Returns (train rows, eval rows)."""
     import rewards
     from data.rows import validate_row
-    _check_settings(cfg, dist.world_size)
+    placement = getattr(dist, "placement", None)
+    whole = len(placement.trainer_ranks) + len(placement.rollout_ranks) if placement else dist.world_size
+    trainers = len(placement.trainer_ranks) if placement else dist.world_size
+    _check_settings(cfg, trainers, whole_world=whole)
     check_versions(cfg)
     named = _check_rewards(cfg)
     if rows is None:

@@ -18,6 +18,7 @@ DTYPES = ("float32", "bfloat16")
 ATTENTIONS = ("auto", "sdpa", "eager", "flash_attention_2")
 ENGINES = ("hf", "vllm")
 RESUMES = ("never", "auto", "always")
+PLACEMENTS = ("colocated", "separate")
 
 
 @dataclass
@@ -146,6 +147,13 @@ class RolloutConfig:
     enforce_eager: bool | None = None
     """vLLM without CUDA graphs; null: eager on CPU, CUDA graphs on GPUs (decoding a 1-8B model is bound by
     kernel launches without them)."""
+    placement: str = choice("colocated", PLACEMENTS)
+    """colocated: every rank generates, then trains (the engine sleeps during the update on GPUs); separate: the
+    last rollout.num_ranks ranks of the torchrun world only generate and score, the others only train, and with
+    algorithm.max_staleness=1 generation of step n+1 overlaps the update of step n (launch/separate.py)."""
+    num_ranks: int = bounded(0, 0)
+    """placement=separate: the ranks that run engines (the last ones of the world); each replica of
+    tensor_parallel_size of them serves an equal share of the trainer ranks."""
     tensor_parallel_size: int = bounded(1, 1)
     """vLLM tensor parallelism inside the torchrun world: each group of this many consecutive ranks runs one
     replica, draws the same prompts and seeds, and each of its ranks trains on its own share of the groups."""

@@ -21,6 +21,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import yaml
 
@@ -148,12 +149,19 @@ def run(cfg: Config, dist, *, resume: bool = False, rows: list[dict] | None = No
         built = None
         try:
             built = build(cfg, dist, resume=resume, stop_requested=stop, rows=rows, eval_rows=eval_rows)
-            summary = _train(cfg, dist, built, train_sft if cfg.stage == "sft" else train_rl)
+            if hasattr(built, "side"):  # a rollout rank of a separate placement: generate until the trainers stop
+                from launch.separate import serve
+                stopped_by = serve(built.side)
+                built.engine.close()
+                return {"run_dir": str(Path(cfg.trainer.out_dir) / cfg.trainer.run_name), "rollout_rank": True,
+                        **({"interrupted": True, "signal": stopped_by} if stopped_by else {})}
+            summary = _train(cfg, dist, built, train_sft if cfg.stage == "sft" else train_rl, request)
         except (ConfigError, KeyboardInterrupt):
             raise
         except Exception as error:
-            step = built.checkpoints.step if built is not None else None
-            raise RunFailed(describe_failure(error, rank=dist.rank, step=step,
+            step = getattr(built, "checkpoints", None).step if built is not None and hasattr(built, "checkpoints") \
+                else None
+            raise RunFailed(describe_failure(error, rank=_global_rank(dist), step=step,
                                              collective_timeout_s=cfg.trainer.collective_timeout_s)) from error
         finally:
             if built is not None:
@@ -163,8 +171,17 @@ def run(cfg: Config, dist, *, resume: bool = False, rows: list[dict] | None = No
     return summary
 
 
-def _train(cfg: Config, dist, built, loop) -> dict:
+def _global_rank(dist) -> int:
+    """The rank of the torchrun world (a separate placement's DistInfo counts its own role's ranks)."""
+    placement = getattr(dist, "placement", None)
+    return placement.global_rank if placement is not None else dist.rank
+
+
+def _train(cfg: Config, dist, built, loop, request: StopRequest) -> dict:
     result = loop(built.parts, dist)
+    if built.remote is not None:  # the engines wait for the next weights: tell them the run ends (or stops)
+        stopped = built.checkpoints.completed_steps < cfg.trainer.steps
+        built.remote.close(signal=request.agreed if stopped else 0)
     summary = {"run_dir": str(built.run_dir), "final": result["final"],
                "before": _jsonable(result["before"]) if "before" in result else {}}
     if built.checkpoints.completed_steps < cfg.trainer.steps:
@@ -223,13 +240,24 @@ def main(argv=None) -> int:
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
+    import os
+    from launch.preflight import check_placement
+    try:
+        check_placement(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before the world is cut into roles
+    except ConfigError as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
+    separate = cfg.stage == "rl" and cfg.rollout.placement == "separate"
     dist = init_distributed(timeout_s=cfg.trainer.collective_timeout_s,
-                            nccl_blocking_wait=cfg.trainer.nccl_blocking_wait)
+                            nccl_blocking_wait=cfg.trainer.nccl_blocking_wait,
+                            rollout_ranks=cfg.rollout.num_ranks if separate else 0)
     try:
         if args.dry_run:
             _dry_run(cfg, dist, args)
             return 0
         summary = run(cfg, dist)
+        if summary.get("rollout_rank"):
+            return 128 + summary["signal"] if summary.get("interrupted") else 0
         if "interrupted" in summary:
             name = signal.Signals(summary["signal"]).name
             print(f"rank {dist.rank}: stopped by {name} after step {summary['interrupted']}; checkpoint written under "

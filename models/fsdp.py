@@ -21,29 +21,41 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 _WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
+# The ranks this package's collectives span: the whole world, or, when the rollout runs on ranks of its own
+# (rollout.placement=separate), the ranks of this rank's role (launch.dist sets it once, with use_group).
+_GROUP = None
+
+
+def use_group(group) -> None:
+    """Make every collective of models/ (ranks, barriers, broadcasts, sharded checkpoints) span `group`."""
+    global _GROUP
+    _GROUP = group
+
+
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
 def rank() -> int:
-    return dist.get_rank() if is_distributed() else 0
+    """This rank's place in the group (its global rank when the group is the world or its first ranks)."""
+    return dist.get_rank(_GROUP) if is_distributed() else 0
 
 
 def world_size() -> int:
-    return dist.get_world_size() if is_distributed() else 1
+    return dist.get_world_size(_GROUP) if is_distributed() else 1
 
 
 def barrier() -> None:
     if is_distributed():
-        dist.barrier()
+        dist.barrier(group=_GROUP)
 
 
 def broadcast_object(value, source: int = 0):
-    """`value` from rank `source` on every rank (itself when not distributed)."""
+    """`value` from the group's rank `source` on every rank of the group (itself when not distributed)."""
     if not is_distributed():
         return value
     holder = [value]
-    dist.broadcast_object_list(holder, src=source)
+    dist.broadcast_object_list(holder, group_src=source, group=_GROUP)
     return holder[0]
 
 
@@ -62,7 +74,7 @@ def first_error(error: BaseException | None) -> tuple[int, str] | None:
     if not is_distributed():
         return None if message is None else (0, message)
     messages = [None] * world_size()
-    dist.all_gather_object(messages, message)
+    dist.all_gather_object(messages, message, group=_GROUP)
     return next(((index, text) for index, text in enumerate(messages) if text is not None), None)
 
 
@@ -182,7 +194,7 @@ def load_full_weights(model: torch.nn.Module, state_dict: dict[str, Tensor] | No
             if source is None:
                 source = torch.empty_like(target)
             source = source.to(target.device, target.dtype)
-            dist.broadcast(source, src=0)
+            dist.broadcast(source, group_src=0, group=_GROUP)
             target.copy_(source)
         else:
             target.copy_(source)
@@ -317,7 +329,8 @@ def save_optimizer_state(path: str, model: torch.nn.Module, optimizer: torch.opt
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     with _single_process_quiet():
-        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path, no_dist=not is_distributed())
+        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path, no_dist=not is_distributed(),
+                 process_group=_GROUP)
 
 
 def load_optimizer_state(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -333,7 +346,7 @@ def load_optimizer_state(path: str, model: torch.nn.Module, optimizer: torch.opt
                       {"optimizer": get_optimizer_state_dict(model, optimizer)})
     try:
         with _single_process_quiet():
-            dcp.load(target, checkpoint_id=path, no_dist=not is_distributed())
+            dcp.load(target, checkpoint_id=path, no_dist=not is_distributed(), process_group=_GROUP)
     except Exception as error:
         raise ValueError(f"optimizer state in {path} does not match this model/optimizer or is damaged: {error}") from error
     set_optimizer_state_dict(model, optimizer, target["optimizer"])

@@ -25,6 +25,7 @@ from rollout.engine import (
 )
 
 SLEEP_LEVEL = 2  # launch.plan.CUDA_VLLM_CYCLE: weights and KV cache dropped, the sync refills the weights
+WORKER_EXTENSION = "rollout.vllm_engine.WeightReload"  # an engine core in a process of its own loads weights so
 
 NEEDED_VLLM = (0, 32)  # worker.reload_weights(weights_iterator=...): the layer-wise in-place reload
 
@@ -67,9 +68,12 @@ class VLLMEngine:
         model_path = Path(arguments["model"]).expanduser()
         if not (model_path / "config.json").is_file():
             raise FileNotFoundError(f"VLLMEngine needs an HF model directory; {model_path}/config.json does not exist")
-        # In-process engine: collective_rpc then runs our reload function on the worker without pickling
-        # the weights (the external launcher forces this too).
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # In-process engine: collective_rpc then runs our reload function on the worker without pickling the
+        # weights (the external launcher forces this too). With the WeightReload extension in the arguments (a
+        # rollout rank of a separate placement, whose torchrun world vLLM must not join: launch.plan), vLLM's engine
+        # core runs in a process of its own, with a world of its own, and the weights reach it through the extension.
+        self.in_process = arguments.get("worker_extension_cls") != WORKER_EXTENSION
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
         self.cpu_tensor_parallel = not arguments.get("enable_sleep_mode") and arguments.get("tensor_parallel_size", 1) > 1
         if self.cpu_tensor_parallel:
             _remove_cpu_shm_segments()
@@ -172,7 +176,7 @@ class VLLMEngine:
         if weights:
             repack_tied_head = any(name == self.tied_embedding_name for name, _ in weights)
             with torch_threads(self.num_threads):
-                reload_weights_in_place(self.llm, weights, repack_tied_head=repack_tied_head)
+                reload_weights_in_place(self.llm, weights, repack_tied_head=repack_tied_head, in_process=self.in_process)
 
     def _check_whole_groups(self, names: list[str]) -> None:
         given: dict[str, set[str]] = {}
@@ -220,15 +224,64 @@ def _remove_cpu_shm_segments() -> None:
     "/dev/shm/-tp:0-[0-1]-cpushm_0"), and the next run on the machine fails to create them (errno 17). Local rank 0
     removes them before the engine starts (then every rank waits) and at close; unlinking a name leaves the
     mappings of a process still using it intact."""
-    import torch.distributed as dist
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    from models import fsdp
+    if fsdp.rank() == 0:  # the first engine rank (models.fsdp's group: the engine ranks when they have their own)
         for segment in Path("/dev/shm").glob("-[tp][pp]:*-cpushm_*"):
             segment.unlink(missing_ok=True)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    fsdp.barrier()
 
 
-def reload_weights_in_place(llm, weights: list[tuple[str, Tensor]], *, repack_tied_head: bool) -> None:
+def reload_worker(worker, weights: list[tuple[str, Tensor]], repack_tied_head: bool) -> None:
+    """Load HF-named tensors into one vLLM worker in place (see reload_weights_in_place)."""
+    with _quiet("vllm.model_executor.model_loader.reload"):
+        worker.reload_weights(weights_iterator=iter(weights))
+    if not repack_tied_head:
+        return
+    model = worker.model_runner.get_model()
+    lm_head = getattr(model, "lm_head", None)
+    weight = getattr(lm_head, "weight", None)
+    tied = weight is not None and any(
+        parameter is weight for name, parameter in model.named_parameters(remove_duplicate=False)
+        if not name.startswith("lm_head.")
+    )
+    if tied and hasattr(lm_head, "quant_method"):
+        lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+class WeightReload:
+    """A vLLM worker extension (`worker_extension_cls`) for an engine in a process of its own (launch/separate.py's
+    rollout ranks): the weights arrive as the arguments of `collective_rpc("nanogrpo_reload", ...)`. vLLM refuses to
+    pickle the function the in-process engine sends, and decodes tensor arguments without their type, so the
+    bucket travels as bytes with each tensor's name, dtype and shape (pack_weights)."""
+
+    def nanogrpo_reload(self, names: list[str], dtypes: list[str], shapes: list[list[int]], payload: bytes,
+                        repack_tied_head: bool) -> None:
+        reload_worker(self, unpack_weights(names, dtypes, shapes, payload), repack_tied_head)
+
+
+def pack_weights(weights: list[tuple[str, Tensor]]) -> tuple[list[str], list[str], list[list[int]], bytes]:
+    """(names, dtypes, shapes, the tensors' bytes back to back) of HF-named CPU tensors, for WeightReload."""
+    names = [name for name, _ in weights]
+    dtypes = [str(tensor.dtype).removeprefix("torch.") for _, tensor in weights]
+    shapes = [list(tensor.shape) for _, tensor in weights]
+    payload = torch.cat([tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for _, tensor in weights])
+    return names, dtypes, shapes, payload.numpy().tobytes()
+
+
+def unpack_weights(names: list[str], dtypes: list[str], shapes: list[list[int]],
+                   payload: bytes) -> list[tuple[str, Tensor]]:
+    """pack_weights undone: the (name, tensor) list."""
+    buffer, offset, weights = torch.frombuffer(bytearray(payload), dtype=torch.uint8), 0, []
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        dtype = getattr(torch, dtype)
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        weights.append((name, buffer[offset:offset + size].view(dtype).view(shape)))
+        offset += size
+    return weights
+
+
+def reload_weights_in_place(llm, weights: list[tuple[str, Tensor]], *, repack_tied_head: bool,
+                            in_process: bool = True) -> None:
     """Load HF-named tensors into every local vLLM worker and reset the prefix cache.
 
     repack_tied_head: the weights include the embedding that a tied lm_head shares (see below).
@@ -247,22 +300,10 @@ def reload_weights_in_place(llm, weights: list[tuple[str, Tensor]], *, repack_ti
     Cached prefixes are keyed by tokens, not weights: reset them or stale KV would be reused.
     """
 
-    def reload(worker) -> None:
-        worker.reload_weights(weights_iterator=iter(weights))
-        if not repack_tied_head:
-            return
-        model = worker.model_runner.get_model()
-        lm_head = getattr(model, "lm_head", None)
-        weight = getattr(lm_head, "weight", None)
-        tied = weight is not None and any(
-            parameter is weight for name, parameter in model.named_parameters(remove_duplicate=False)
-            if not name.startswith("lm_head.")
-        )
-        if tied and hasattr(lm_head, "quant_method"):
-            lm_head.quant_method.process_weights_after_loading(lm_head)
-
-    with _quiet("vllm.model_executor.model_loader.reload"):
-        llm.collective_rpc(reload)
+    if in_process:
+        llm.collective_rpc(lambda worker: reload_worker(worker, weights, repack_tied_head))
+    else:
+        llm.collective_rpc("nanogrpo_reload", args=(*pack_weights(weights), repack_tied_head))
     llm.reset_prefix_cache()
 
 

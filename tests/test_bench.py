@@ -220,6 +220,15 @@ def test_gpu_script_on_cpu_tiny(tmp_path):
         assert all(step["tis_weight_mean"] > 0 and step["logprob_gap"] > 0 for step in run["steps"])
 
 
+def test_separate_quick(capsys):
+    """bench.separate end to end on the tiny model: the three arms run and report their staleness."""
+    from bench.separate import main
+    assert main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "colocated     median step" in out and "separate S=1  median step" in out
+    assert "staleness [1.0]" in out and out.count("staleness [0.0]") == 2
+
+
 @pytest.mark.parametrize("arch, tie", [("llama", False), ("qwen3", True)])
 def test_phase_flops_equal_torch_flop_counter_plus_attention(arch, tie):
     """bench.flops against torch's FlopCounterMode, which counts every matmul of a real pass (and not the CPU

@@ -199,3 +199,15 @@ def test_a_bf16_run_trains_with_truncated_is_correcting_a_real_mismatch(tmp_path
         assert 1e-4 < m["logprob_gap"] < 0.5, m["logprob_gap"]  # fp32 vs fp32 is ~2e-7 (test_loop_semantics)
         assert 0.5 < m["tis_weight_mean"] < 2.0 and 0.0 <= m["tis_clip_frac"] < 0.5
         assert m["sync/buckets"] >= 1 and m["grad_norm"] > 0
+
+
+def test_a_separate_placement_is_planned_with_its_own_vllm_world():
+    cfg = load_config(CONFIGS / "veriseek_grpo.yaml", ["rollout.placement=separate", "rollout.num_ranks=2",
+                                                       "algorithm.max_staleness=1"])
+    plan = run_plan(cfg, Target("cuda", 8, True))
+    assert plan["placement"] == {"mode": "separate", "trainer_ranks": list(range(6)), "rollout_ranks": [6, 7],
+                                 "max_staleness": 1}
+    # A rollout rank's vLLM does not join the trainers' torchrun world: its engine core runs in a process of its own
+    # and the weights arrive through the worker extension.
+    assert "distributed_executor_backend" not in plan["vllm"]
+    assert plan["vllm"]["worker_extension_cls"] == "rollout.vllm_engine.WeightReload"

@@ -1,0 +1,276 @@
+"""Rollout on ranks of its own (rollout.placement=separate): the last rollout.num_ranks ranks of the torchrun world
+generate and score, the others train. Batches travel from the engines to the trainers and weights back over
+process groups of their own (launch.dist.Placement); with algorithm.max_staleness=1 the engines generate the
+batch of step n+1 while the trainers update on the batch of step n, and truncated IS corrects for the policy one
+step older that generated it.
+
+Both sides run the same sequence (j: a step; v_j: the weights after j optimizer steps; S: max_staleness):
+
+    start    trainer 0 broadcasts the start (first step, each replica's data position) and v_start
+    rollout  for j in start .. steps - 1:
+                 S = 1: generate b_j with the weights it has (v_{j-1}; v_start at j = start)
+                 j > start: join the broadcast of v_j (or of a stop: leave)
+                 S = 0: generate b_j with v_j
+                 score the held-out rows when the loop evaluates after j (before the first step at j = start)
+                 the replica's first rank sends each trainer it serves msg_j: its share of b_j, the version of the
+                 weights that generated it, the replica's data position after it, the held-out result
+             join the broadcast of v_steps; with held-out rows score them and send msg_steps (no batch)
+             join the stop broadcast; leave
+    trainer  msg_j -> prepare, update -> broadcast v_{j+1} -> (held-out after j + 1: msg_{j+1}'s) -> ...
+             at the end (or at a stop request): drain a message still on its way, broadcast the stop
+
+A replica is tensor_parallel_size rollout ranks (one engine); replica r serves trainer ranks
+[r * T / R, (r + 1) * T / R) and generates P prompts for each of them, in one collect_shares call. A checkpoint
+records, per trainer, the data position after the last batch it trained, so a batch generated but not trained
+when a run stops is generated again after resuming: never trained twice, never lost.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as torch_dist
+
+from grpo.evaluate import evaluation_due
+from grpo.groups import collect_shares
+from rollout.buckets import bucketed, tensor_bytes
+from rollout.engine import stream_seed
+
+
+@dataclass
+class Message:
+    """What a trainer receives for step j from its replica."""
+    step: int
+    batch: object | None  # grpo.groups.Batch (its share), None after the last step
+    position: int  # the replica's data position after generating it
+    held_out: dict | None  # grpo.evaluate.evaluate's result with the weights v_j, when the loop evaluates after j
+
+
+@dataclass
+class Header:
+    """What trainer 0 broadcasts before the weights: a stop (then no weights follow) or the next version."""
+    stop: bool
+    version: int
+    start: int = 0  # the first step (the start broadcast)
+    positions: tuple[int, ...] = ()  # each replica's data position at the start
+    signal: int = 0  # the stop signal the trainers agreed on (0: the run ended)
+
+
+def held_out_due(step: int, start: int, steps: int, every: int, before: bool) -> bool:
+    """Whether the loop scores the held-out rows with the weights after `step` optimizer steps (grpo.trainer)."""
+    if step == start:
+        return before
+    return step == steps or evaluation_due(step, every, steps)
+
+
+# --- The weight path: trainer 0 -> every rollout rank ---------------------------------------------------------
+
+def broadcast_weights(model, group, header: Header, *, bucket_bytes: int, sender: bool) -> dict:
+    """Every trainer rank: stream the policy's full tensors (an FSDP2 gather); trainer 0 broadcasts the header and
+    then each bucket over `group` (a manifest of names, shapes and dtypes, then one flat tensor per dtype).
+    Returns sync metrics (seconds, bytes, buckets)."""
+    from models.lora import merged_state_dict
+    started, total, count = time.perf_counter(), 0, 0
+    if sender:
+        torch_dist.broadcast_object_list([header], src=0, group=group)
+    if header.stop:
+        return {}
+    for bucket in bucketed(merged_state_dict(model), bucket_bytes):
+        count += 1
+        total += sum(tensor_bytes(tensor) for _, tensor in bucket)
+        if sender:
+            manifest = [(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")) for name, tensor in bucket]
+            torch_dist.broadcast_object_list([manifest], src=0, group=group)
+            for dtype in sorted({entry[2] for entry in manifest}):
+                flat = torch.cat([tensor.reshape(-1) for _, tensor in bucket
+                                  if str(tensor.dtype).removeprefix("torch.") == dtype])
+                torch_dist.broadcast(flat.contiguous(), src=0, group=group)
+        del bucket
+    if sender:
+        torch_dist.broadcast_object_list([None], src=0, group=group)  # the end of this version's buckets
+    return {"sync/seconds": time.perf_counter() - started, "sync/bytes": float(total), "sync/buckets": float(count)}
+
+
+def receive_weights(engine, group, device: torch.device) -> Header:
+    """A rollout rank: the header trainer 0 broadcasts and, unless it is a stop, every bucket, loaded into the
+    engine as it arrives (rollout.engine.Engine.update_weights)."""
+    holder = [None]
+    torch_dist.broadcast_object_list(holder, src=0, group=group)
+    header = holder[0]
+    if header.stop:
+        return header
+    engine.wake(("weights",))
+    while True:
+        torch_dist.broadcast_object_list(holder, src=0, group=group)
+        manifest = holder[0]
+        if manifest is None:
+            break
+        tensors = {}
+        for dtype in sorted({entry[2] for entry in manifest}):
+            entries = [entry for entry in manifest if entry[2] == dtype]
+            flat = torch.empty(sum(torch.Size(shape).numel() for _, shape, _ in entries), dtype=getattr(torch, dtype),
+                               device=device)
+            torch_dist.broadcast(flat, src=0, group=group)
+            offset = 0
+            for name, shape, _ in entries:
+                size = torch.Size(shape).numel()
+                tensors[name] = flat[offset:offset + size].view(shape)
+                offset += size
+        engine.update_weights([(name, tensors[name]) for name, _, _ in manifest])
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    engine.wake(("kv_cache",))
+    return header
+
+
+# --- The trainer's side ---------------------------------------------------------------------------------------
+
+class RemoteRollout:
+    """A trainer rank's rollout (grpo.parts.RemoteRollout) and weight sync when the engines run apart.
+
+    placement: launch.dist.Placement; replicas: engine replicas R; this trainer is served by replica
+    rank // (T / R), whose first rank sends its messages."""
+
+    def __init__(self, placement, model, *, replicas: int, steps: int, has_held_out: bool, bucket_bytes: int):
+        self.placement, self.model, self.steps, self.has_held_out = placement, model, steps, has_held_out
+        self.bucket_bytes = bucket_bytes
+        trainers = len(placement.trainer_ranks)
+        self.replica = placement.global_rank // (trainers // replicas)
+        tp = len(placement.rollout_ranks) // replicas
+        self.source = placement.rollout_ranks[self.replica * tp]
+        self.messages: dict[int, Message] = {}
+        self.received = -1  # the last step whose message arrived
+        self.position = 0  # the data position after the last batch trained (what a checkpoint records)
+        self.version = 0
+
+    def _message(self, step: int) -> Message:
+        while step not in self.messages:
+            holder = [None]
+            torch_dist.recv_object_list(holder, src=self.source, group=self.placement.link)
+            message = holder[0]
+            self.messages[message.step] = message
+            self.received = message.step
+        return self.messages[step]
+
+    def start(self, start_step: int, positions: list[int]) -> dict:
+        """Send the start (first step, each replica's data position: a trainer's checkpointed one) and v_start."""
+        self.version, self.received = start_step, start_step - 1
+        header = Header(stop=False, version=start_step, start=start_step, positions=tuple(positions))
+        return broadcast_weights(self.model, self.placement.weights, header, bucket_bytes=self.bucket_bytes,
+                                 sender=self.placement.global_rank == self.placement.trainer_ranks[0])
+
+    def collect(self, step: int):
+        message = self._message(step)
+        self.position = message.position
+        del self.messages[step]
+        return message.batch
+
+    def evaluate(self, step: int) -> dict:
+        message = self._message(step)
+        if message.batch is None:
+            del self.messages[step]
+        return message.held_out
+
+    def sync(self) -> dict:
+        """Broadcast the weights after this step (v_{j+1})."""
+        self.version += 1
+        header = Header(stop=False, version=self.version)
+        return broadcast_weights(self.model, self.placement.weights, header, bucket_bytes=self.bucket_bytes,
+                                 sender=self.placement.global_rank == self.placement.trainer_ranks[0])
+
+    def close(self, signal: int = 0) -> None:
+        """Drain the message on its way, then broadcast the stop. The rollout ranks send msg_j once they hold v_j:
+        after the last broadcast (v_version) that message is on its way unless it arrived already (a held-out
+        point) or none is sent (after the last step without held-out rows); its batch is never trained."""
+        following = self.version
+        if following > self.received and (following < self.steps or self.has_held_out):
+            self._message(following)
+        self.messages.clear()
+        broadcast_weights(self.model, self.placement.weights, Header(stop=True, version=self.version, signal=signal),
+                          bucket_bytes=self.bucket_bytes,
+                          sender=self.placement.global_rank == self.placement.trainer_ranks[0])
+
+
+class PositionOf:
+    """The Checkpointer's sampler on a trainer rank whose batches come from the engine ranks: `position` is the
+    serving replica's data position after the last batch this rank trained."""
+
+    def __init__(self, remote: RemoteRollout):
+        self.remote = remote
+
+    @property
+    def position(self) -> int:
+        return self.remote.position
+
+    @position.setter
+    def position(self, value: int) -> None:
+        self.remote.position = value
+
+
+# --- The engines' side ----------------------------------------------------------------------------------------
+
+@dataclass
+class RolloutSide:
+    """What a rollout rank runs (built by launch.build): its engine, data, scorer, this replica's sampler and the
+    held-out evaluation (None without held-out rows), and the step's settings (grpo.parts.RLSpec)."""
+    spec: object
+    engine: object
+    sampler: object
+    rows: list
+    prompt_ids: list
+    scorer: object
+    evaluate: object | None
+    placement: object
+    replicas: int
+    replica: int
+    lead: bool  # the replica's first rank: it sends the messages
+    served: tuple[int, ...]  # the trainer ranks this replica serves
+    max_staleness: int
+    device: torch.device
+
+
+def serve(side: RolloutSide) -> int:
+    """The rollout rank's whole run (the sequence in the module docstring). Returns the stop signal the trainers
+    agreed on (0 when the run ended)."""
+    spec, placement = side.spec, side.placement
+    header = receive_weights(side.engine, placement.weights, side.device)  # the start and v_start
+    start, steps = header.start, spec.steps
+    side.sampler.position = header.positions[side.replica]
+    every, before = spec.evaluation.every, spec.evaluation.before
+    batches = None
+    for step in range(start, steps + 1):
+        version = step if step == start else step - 1
+        if step < steps and (side.max_staleness == 1 or step == start):
+            batches = _generate(side, step)
+        if step > start:
+            header = receive_weights(side.engine, placement.weights, side.device)
+            if header.stop:
+                return header.signal
+        if step < steps and side.max_staleness == 0 and step > start:
+            version, batches = step, _generate(side, step)
+        held_out = None
+        if side.evaluate is not None and held_out_due(step, start, steps, every, before):
+            held_out = side.evaluate(step)
+        if step == steps and side.evaluate is None:
+            break
+        if side.lead:
+            for index, trainer in enumerate(side.served):
+                batch = batches[index] if step < steps else None
+                if batch is not None:
+                    batch.policy_version = version
+                torch_dist.send_object_list([Message(step, batch, side.sampler.position, held_out)], dst=trainer,
+                                            group=placement.link)
+    header = receive_weights(side.engine, placement.weights, side.device)
+    return header.signal
+
+
+def _generate(side: RolloutSide, step: int) -> list:
+    """The replica's batches of step `step`, one per trainer it serves."""
+    spec = side.spec
+    batches = collect_shares(
+        side.engine, side.sampler, side.rows, side.prompt_ids, side.scorer,
+        num_prompts=spec.batching.prompts_per_step, group_size=spec.batching.group_size,
+        sampling=spec.sampling.kwargs(), seed=stream_seed(spec.seed, step, side.replica),
+        dynamic_sampling=spec.dynamic_sampling, max_rounds=spec.max_gen_batches, shares=len(side.served))
+    return batches
