@@ -34,8 +34,8 @@ def train(config: str | os.PathLike | Mapping | None = None, *, overrides: Seque
     """
     import rewards as registry
     from launch.config import load_config
-    from launch.dist import init_distributed, shutdown
-    from launch.train import run
+    from launch.dist import shutdown
+    from launch.train import init_for, run
 
     cfg = load_config(config if isinstance(config, Mapping) else (None if config is None else str(config)),
                       list(overrides))
@@ -44,8 +44,7 @@ def train(config: str | os.PathLike | Mapping | None = None, *, overrides: Seque
             source: rewards for source in _data_sources(cfg, train_rows, eval_rows)}
         for data_source, function in functions.items():
             registry.register(data_source, function, overwrite=True)
-    dist = init_distributed(timeout_s=cfg.trainer.collective_timeout_s,
-                            nccl_blocking_wait=cfg.trainer.nccl_blocking_wait)
+    dist = init_for(cfg)
     try:
         summary = run(cfg, dist, rows=None if train_rows is None else list(train_rows),
                       eval_rows=None if eval_rows is None else list(eval_rows))

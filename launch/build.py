@@ -268,7 +268,8 @@ def _assemble(cfg: Config, dist, prepared: Prepared, scoring, stop_requested: Ca
         from launch.separate import PositionOf, RemoteRollout
         replicas = cfg.rollout.num_ranks  # one engine per rollout rank (launch.preflight.check_placement)
         remote = RemoteRollout(dist.placement, policy.model, replicas=replicas, steps=cfg.trainer.steps,
-                               has_held_out=bool(eval_rows), bucket_bytes=cfg.rollout.sync_bucket_mb << 20)
+                               has_held_out=bool(eval_rows), bucket_bytes=cfg.rollout.sync_bucket_mb << 20,
+                               timeout_s=cfg.trainer.collective_timeout_s)
         sampler = PositionOf(remote)
     else:
         # One order over the rows per replica: the ranks of a tensor-parallel replica draw the same prompts.
@@ -345,7 +346,8 @@ def loss_spec(cfg: Config) -> LossSpec:
     algo = cfg.algorithm
     sum_norm = AGGREGATION[algo.agg].per_max_len  # Dr. GRPO's constant: the response length limit
     return LossSpec(mode=algo.policy_loss, clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
-                    ratio_level=algo.ratio_level, agg=algo.agg, max_len=cfg.rollout.max_new_tokens if sum_norm else None,
+                    ratio_level=algo.ratio_level, agg=algo.agg,
+                    max_len=cfg.rollout.max_new_tokens if sum_norm else None,
                     cispo_clip_low=algo.cispo_clip_low, cispo_clip_high=algo.cispo_clip_high,
                     kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef, kl_kind=algo.kl_kind,
                     entropy_coef=algo.entropy_coef, tis_cap=algo.tis_cap, tis_level=algo.tis_level)

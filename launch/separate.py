@@ -26,6 +26,8 @@ when a run stops is generated again after resuming: never trained twice, never l
 """
 from __future__ import annotations
 
+import datetime
+import pickle
 import time
 from dataclasses import dataclass
 
@@ -57,6 +59,28 @@ class Header:
     signal: int = 0  # the stop signal the trainers agreed on (0: the run ended)
 
 
+def send_object(value, destination: int, group) -> None:
+    """Pickle `value` and send it to global rank `destination` over `group` (its size first, then its bytes)."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+    torch_dist.send(torch.tensor([payload.numel()], dtype=torch.long), dst=destination, group=group)
+    torch_dist.send(payload, dst=destination, group=group)
+
+
+def receive_object(source: int, group, timeout_s: float):
+    """What send_object sent from global rank `source`. Waits at most timeout_s (trainer.collective_timeout_s) for
+    each part: a point-to-point receive on gloo otherwise waits forever for an engine rank that stopped answering."""
+    size = torch.empty(1, dtype=torch.long)
+    _wait(torch_dist.irecv(size, src=source, group=group), source, timeout_s)
+    payload = torch.empty(int(size), dtype=torch.uint8)
+    _wait(torch_dist.irecv(payload, src=source, group=group), source, timeout_s)
+    return pickle.loads(payload.numpy().tobytes())
+
+
+def _wait(work, source: int, timeout_s: float) -> None:
+    if not work.wait(timeout=datetime.timedelta(seconds=timeout_s)):
+        raise RuntimeError(f"Timed out after {timeout_s:g} s waiting for a message from rank {source}")
+
+
 def held_out_due(step: int, start: int, steps: int, every: int, before: bool) -> bool:
     """Whether the loop scores the held-out rows with the weights after `step` optimizer steps (grpo.trainer)."""
     if step == start:
@@ -80,7 +104,8 @@ def broadcast_weights(model, group, header: Header, *, bucket_bytes: int, sender
         count += 1
         total += sum(tensor_bytes(tensor) for _, tensor in bucket)
         if sender:
-            manifest = [(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")) for name, tensor in bucket]
+            manifest = [(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+                        for name, tensor in bucket]
             torch_dist.broadcast_object_list([manifest], src=0, group=group)
             for dtype in sorted({entry[2] for entry in manifest}):
                 flat = torch.cat([tensor.reshape(-1) for _, tensor in bucket
@@ -132,9 +157,10 @@ class RemoteRollout:
     placement: launch.dist.Placement; replicas: engine replicas R; this trainer is served by replica
     rank // (T / R), whose first rank sends its messages."""
 
-    def __init__(self, placement, model, *, replicas: int, steps: int, has_held_out: bool, bucket_bytes: int):
+    def __init__(self, placement, model, *, replicas: int, steps: int, has_held_out: bool, bucket_bytes: int,
+                 timeout_s: float = 1800.0):
         self.placement, self.model, self.steps, self.has_held_out = placement, model, steps, has_held_out
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         trainers = len(placement.trainer_ranks)
         self.replica = placement.global_rank // (trainers // replicas)
         tp = len(placement.rollout_ranks) // replicas
@@ -146,9 +172,7 @@ class RemoteRollout:
 
     def _message(self, step: int) -> Message:
         while step not in self.messages:
-            holder = [None]
-            torch_dist.recv_object_list(holder, src=self.source, group=self.placement.link)
-            message = holder[0]
+            message = receive_object(self.source, self.placement.link, self.timeout_s)
             self.messages[message.step] = message
             self.received = message.step
         return self.messages[step]
@@ -259,8 +283,7 @@ def serve(side: RolloutSide) -> int:
                 batch = batches[index] if step < steps else None
                 if batch is not None:
                     batch.policy_version = version
-                torch_dist.send_object_list([Message(step, batch, side.sampler.position, held_out)], dst=trainer,
-                                            group=placement.link)
+                send_object(Message(step, batch, side.sampler.position, held_out), trainer, placement.link)
     header = receive_weights(side.engine, placement.weights, side.device)
     return header.signal
 

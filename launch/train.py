@@ -229,28 +229,37 @@ def _prepared_summary(cfg: Config, prepared) -> str:
             f"{longest} tokens (data.max_prompt_tokens={cfg.data.max_prompt_tokens}){resume}")
 
 
+def init_for(cfg: Config):
+    """This process's place in the run (launch.dist.init_distributed) for the config: with rollout.placement=separate
+    the world is cut into trainer and rollout ranks, after checking the cut (ConfigError naming the key)."""
+    import os
+
+    from launch.dist import init_distributed
+    from launch.preflight import check_placement
+    separate = cfg.stage == "rl" and cfg.rollout.placement == "separate"
+    if separate:
+        check_placement(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before the world is cut into roles
+    return init_distributed(timeout_s=cfg.trainer.collective_timeout_s,
+                            nccl_blocking_wait=cfg.trainer.nccl_blocking_wait,
+                            rollout_ranks=cfg.rollout.num_ranks if separate else 0)
+
+
 def main(argv=None) -> int:
     """Exit codes: 0 done; 1 failed (RunFailed names the phase, the step and the rank); 2 a config error, found
     before anything is written; 124 a stalled weight sync (launch/watchdog.py); 128 + the signal when stopped
     by Ctrl-C (130) or SIGTERM (143) after finishing the step and writing a checkpoint."""
     args = parse_args(argv)
-    from launch.dist import init_distributed, shutdown
+    from launch.dist import shutdown
     try:
         cfg = load_config(args.config, args.overrides + (["trainer.resume=always"] if args.resume else []))
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
-    import os
-    from launch.preflight import check_placement
     try:
-        check_placement(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before the world is cut into roles
+        dist = init_for(cfg)
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
-    separate = cfg.stage == "rl" and cfg.rollout.placement == "separate"
-    dist = init_distributed(timeout_s=cfg.trainer.collective_timeout_s,
-                            nccl_blocking_wait=cfg.trainer.nccl_blocking_wait,
-                            rollout_ranks=cfg.rollout.num_ranks if separate else 0)
     try:
         if args.dry_run:
             _dry_run(cfg, dist, args)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -160,3 +161,69 @@ def test_vllm_on_the_rollout_rank_trains_what_colocated_vllm_trains(tmp_path):
         assert a["reward_mean"] == b["reward_mean"] and b["logprob_gap"] < 1e-3
     before, after = _weights(tmp_path / "colocated_vllm"), _weights(tmp_path / "separate_vllm")
     assert max(float((before[k] - after[k]).abs().max()) for k in before) < 1e-5
+
+
+def _prompts(run_dir: Path) -> list[str]:
+    """The first group's prompt of every step (samples.jsonl), in step order."""
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    first = {}
+    for sample in samples:
+        first.setdefault(sample["step"], sample["prompt"])
+    return [first[step] for step in sorted(first)]
+
+
+def test_sigterm_stops_both_roles_and_resuming_regenerates_the_batch_in_flight(tmp_path, tiny_model_dir):
+    # One step off: when the trainer stops after step n, the engine rank has already generated step n+1's batch;
+    # it is never trained, and the resumed run generates it again from the same data position (the same prompts
+    # as the uninterrupted run at every step), with the resumed weights (staleness 0 at the first step after).
+    steps = ["trainer.steps=4", "trainer.save_every=0", "data.eval_files=[]"]
+    one_off = [*SEPARATE, "algorithm.max_staleness=1", "algorithm.tis_cap=2.0", *steps]
+    _run(_torchrun(2) + _overrides(tmp_path, tiny_model_dir, "whole", *one_off))
+    run_dir = tmp_path / "stopped"
+    command = _torchrun(2) + _overrides(tmp_path, tiny_model_dir, "stopped", *one_off)
+    process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    deadline = time.time() + 300
+    while not ((run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().strip()):
+        assert process.poll() is None and time.time() < deadline, "the run ended before its first step"
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGTERM)
+    _, err = process.communicate(timeout=300)
+    done = len(_metrics(run_dir))
+    assert 1 <= done < 4 and f"rank 0: stopped by SIGTERM after step {done}" in err, err[-3000:]
+    assert (run_dir / "checkpoints" / f"step_{done}" / "COMPLETE").exists()
+    _run(_torchrun(2) + _overrides(tmp_path, tiny_model_dir, "stopped", *one_off, "--resume"))
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert metrics[done]["staleness"] == 0.0 and all(m["staleness"] == 1.0 for m in metrics[done + 1:])
+    assert _prompts(run_dir) == _prompts(tmp_path / "whole")
+
+
+def test_a_rollout_rank_that_stops_answering_ends_the_run_naming_phase_step_and_rank(tmp_path, tiny_model_dir):
+    errors = tmp_path / "stderr.txt"
+    command = _torchrun(2) + _overrides(tmp_path, tiny_model_dir, "frozen", *SEPARATE, "trainer.steps=6",
+                                        "trainer.collective_timeout_s=5", "data.eval_files=[]")
+    with open(errors, "w") as err:
+        process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=err,
+                                   start_new_session=True)
+        frozen = None
+        try:
+            deadline = time.time() + 300
+            while not (tmp_path / "frozen" / "metrics.jsonl").exists():
+                assert process.poll() is None and time.time() < deadline, errors.read_text()[-3000:]
+                time.sleep(0.05)
+            frozen = _rank_pid(process.pid, 1)
+            os.kill(frozen, signal.SIGSTOP)
+            while "RunFailed" not in errors.read_text():
+                assert time.time() < deadline + 120, errors.read_text()[-3000:]
+                time.sleep(0.1)
+        finally:
+            os.killpg(process.pid, signal.SIGKILL)
+            if frozen is not None:
+                try:
+                    os.kill(frozen, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            process.wait()
+    text = errors.read_text()
+    assert re.search(r"RunFailed: (rollout_reward|sync) failed at step \d on rank 0: .*Timed out", text), text[-3000:]
