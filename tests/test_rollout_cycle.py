@@ -40,6 +40,7 @@ def test_sleep_and_sync_follow_the_planned_cycle(monkeypatch):
         groups.setdefault(weight_group(name), set()).add(name)
     engine.llm, engine.sleeps, engine.asleep, engine.num_threads = RecordingLLM(calls), True, set(), 1
     engine.tied_embeddings, engine.tied_embedding_name, engine.checkpoint_groups = False, None, groups
+    engine.in_process = True
     engine.model_path = "tiny"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
