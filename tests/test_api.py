@@ -29,6 +29,8 @@ def readme_example() -> str:
 def test_the_readme_example_runs_as_written(tmp_path):
     code = readme_example()
     assert len(code.strip().splitlines()) <= 20  # a short example, not a script
+    assert "/tmp/nanogrpo-example" in code
+    code = code.replace("/tmp/nanogrpo-example", str(tmp_path / "out"))  # the run and its checkpoint go with the test
     environment = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     finished = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=environment, capture_output=True,
                               text=True, timeout=600)

@@ -153,7 +153,7 @@ def test_vllm_on_the_rollout_rank_trains_what_colocated_vllm_trains(tmp_path):
     model_dir = tmp_path / "model"
     AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
     load_tokenizer(None).save_pretrained(model_dir)
-    vllm = ["rollout.engine=vllm", "data.max_prompt_tokens=256", "data.eval_files=[]"]
+    vllm = ["rollout.engine=vllm", "data.max_prompt_tokens=256", "data.eval_files=[]", f"trainer.save_every={STEPS}"]
     _run([sys.executable, "-m", "launch.train", *_overrides(tmp_path, model_dir, "colocated_vllm", *vllm)])
     _run(_torchrun(2) + _overrides(tmp_path, model_dir, "separate_vllm", *vllm, *SEPARATE))
     colocated, separate = _metrics(tmp_path / "colocated_vllm"), _metrics(tmp_path / "separate_vllm")
