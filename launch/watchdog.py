@@ -36,5 +36,9 @@ def with_deadline(function: Callable, seconds: float, limit: str, what: Callable
             return function(*args, **kwargs)
         finally:
             timer.cancel()
+            # Joined so the timer thread is gone before the caller goes on: a daemon thread left to wind down
+            # could drop the last reference to `what`'s closure (and through it the run's tensors) while the
+            # interpreter finalizes, which ends the process in std::terminate (SIGABRT) after a finished run.
+            timer.join()
 
     return guarded
