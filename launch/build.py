@@ -304,8 +304,9 @@ def _assemble(cfg: Config, dist, prepared: Prepared, scoring, stop_requested: Ca
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        if cfg.trainer.resume != "never":  # lines of steps after the checkpoint (or all, starting fresh) are redone
-            truncate_metrics_file(run_dir, checkpoints.start_step)
+        # Lines of steps after the checkpoint are redone; a run that starts at step 0 (resume=never, or no
+        # checkpoint yet) replaces the logs of any earlier run in the same directory instead of appending to them.
+        truncate_metrics_file(run_dir, checkpoints.start_step)
     log = RunLog(run_dir, total_steps=cfg.trainer.steps, start_step=checkpoints.start_step, enabled=dist.is_main,
                  description=cfg.stage, wandb_project=cfg.trainer.wandb_project, config=to_dict(cfg))
     for warning in prepared.warnings:

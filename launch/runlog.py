@@ -85,7 +85,8 @@ class RunLog:
 
 
 def truncate_metrics_file(run_dir: Path, after_step: int) -> None:
-    """On resume, drop metric and sample lines of steps after the checkpoint (they will be redone)."""
+    """Drop the metric and sample lines of steps after `after_step`: on resume they will be redone; starting
+    fresh (after_step 0) they belong to an earlier run."""
     for name in ("metrics.jsonl", "samples.jsonl"):
         path = Path(run_dir) / name
         if not path.exists():

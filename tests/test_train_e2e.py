@@ -66,6 +66,21 @@ def test_grpo_two_steps_and_resume_equivalence(tmp_path, tiny_model_dir):
                 assert before[key] == after[key], (key, before[key], after[key])
 
 
+def test_a_fresh_run_in_a_used_directory_replaces_its_logs(tmp_path, tiny_model_dir):
+    """resume=never starts at step 0: the metrics and samples of an earlier run there are replaced, not appended."""
+    cfg = _config(tmp_path, tiny_model_dir, "trainer.steps=2", "data.eval_files=[]")
+    run_dir = tmp_path / "runs" / "e2e"
+
+    def sample_steps():
+        return [json.loads(line)["step"] for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+
+    run(cfg, DistInfo())
+    first = sample_steps()
+    run(cfg, DistInfo())
+    assert [m["step"] for m in _metrics(run_dir)] == [1, 2]
+    assert sample_steps() == first and sorted(set(first)) == [1, 2]
+
+
 def test_sentence_rewards_shape_token_advantages(tmp_path, tiny_model_dir):
     cfg = _config(tmp_path, tiny_model_dir, "trainer.steps=2", "data.eval_files=[]",
                   f"reward.functions={{{REWARD}: 'rewards_for_tests:vowel_sentences'}}", "reward.sentence_coef=2.0")
