@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests_support import free_port
+from tests_support import free_port, signal_after_first_step
 
 ROOT = Path(__file__).resolve().parents[1]
 VOLATILE = ("time_", "tokens_per_s", "sync/")
@@ -114,23 +114,14 @@ def test_stop_signal_finishes_the_step_checkpoints_and_resumes_exactly(tmp_path,
     from models.checkpoint import latest_checkpoint
     run_dir = tmp_path / "interrupted"
     command = _command(tmp_path, tiny_model_dir, "interrupted", ranks=ranks, extra=["trainer.save_every=0"])
-    # The signal goes to the whole process group, as a terminal's Ctrl-C or a scheduler's preemption sends it
-    # (torchrun then forwards its own copy to each rank).
-    process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
-    deadline = time.time() + 300
-    while not ((run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().strip()):
-        assert process.poll() is None and time.time() < deadline, "the run ended before its first step"
-        time.sleep(0.05)
-    os.killpg(process.pid, stop_signal)
-    _, err = process.communicate(timeout=300)
+    returncode, err = signal_after_first_step(command, run_dir, stop_signal, ROOT, _env())
     steps_done = len(_metrics(run_dir))
     name = signal.Signals(stop_signal).name
     assert f"{name}: finishing this step" in err, err[-3000:]
     for rank in range(ranks):
         assert f"rank {rank}: stopped by {name} after step {steps_done}" in err and "trainer.resume=auto" in err, err[-3000:]
     if ranks == 1:  # torchrun itself ends with its own SignalException traceback
-        assert process.returncode == 128 + stop_signal and "Traceback" not in err, err[-3000:]
+        assert returncode == 128 + stop_signal and "Traceback" not in err, err[-3000:]
     # The interrupted step was finished, not cut: the one checkpoint is at the last logged step.
     assert 1 <= steps_done < 4
     assert latest_checkpoint(run_dir / "checkpoints") == run_dir / "checkpoints" / f"step_{steps_done}"

