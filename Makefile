@@ -23,7 +23,7 @@ $(STAMP): setup.py Makefile
 	touch $@
 
 test: $(STAMP)
-	# Two workers: most tests wait on subprocesses, torchrun ranks or timeouts, so the suite's wall time falls by a third
+	# Two workers: most tests wait on subprocesses, torchrun ranks or timeouts, so two workers finish well before one
 	# on two cores. worksteal keeps the long tests from queuing behind one worker. A plain `pytest` runs it in one process.
 	$(BIN)/python -m pytest -n 2 --dist worksteal
 
