@@ -285,8 +285,8 @@ def _assemble(cfg: Config, dist, prepared: Prepared, scoring, stop_requested: Ca
             raise ConfigError(f"resuming from {prepared.latest}: {error}") from None
 
     engine, sync_weights = None, (lambda: {})
+    limit = f"rollout.sync_timeout_s={cfg.rollout.sync_timeout_s:g} s"
     if remote is not None:
-        limit = f"rollout.sync_timeout_s={cfg.rollout.sync_timeout_s:g} s"
         sync_weights = with_deadline(remote.sync, cfg.rollout.sync_timeout_s, limit, lambda: (
             f"weight broadcast (phase: sync) at step {checkpoints.step} on rank {dist.rank}"))
         positions = checkpoints.positions or [0] * dist.world_size
@@ -296,7 +296,6 @@ def _assemble(cfg: Config, dist, prepared: Prepared, scoring, stop_requested: Ca
         engine, engine_sync = build_engine(cfg, target, resolve_model_dir(source), tokenizer, device=dist.device,
                                            dp_rank=dist.dp_rank, policy=policy.model)
         if engine_sync is not None:
-            limit = f"rollout.sync_timeout_s={cfg.rollout.sync_timeout_s:g} s"
             sync_weights = with_deadline(engine_sync, cfg.rollout.sync_timeout_s, limit, lambda: (
                 f"weight sync (phase: sync) at step {checkpoints.step} on rank {dist.rank}"))
             sync_weights()  # the policy may hold resumed or initial weights the engine does not

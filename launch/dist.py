@@ -178,18 +178,14 @@ def _separate(rank: int, world_size: int, rollout_ranks: int, local_rank: int, d
     rollout_group = torch_dist.new_group(list(engines), backend="gloo")
     link = torch_dist.new_group(list(range(world_size)), backend="gloo")
     weights = torch_dist.new_group([trainers[0], *engines])
-    role = "rollout" if rank in engines else "trainer"
-    placement = Placement(role, rank, trainers, engines, link, weights)
-    if role == "trainer":
-        fsdp.use_group(trainer_group)
-        return DistInfo(rank=rank, world_size=len(trainers), local_rank=local_rank, device=device,
-                        mesh=DeviceMesh.from_group(trainer_group, device.type),
-                        all_reduce_sum=_all_reduce(torch_dist.ReduceOp.SUM, trainer_group),
-                        all_reduce_max=_all_reduce(torch_dist.ReduceOp.MAX, trainer_group), placement=placement)
-    fsdp.use_group(rollout_group)
-    return DistInfo(rank=rank - len(trainers), world_size=len(engines), local_rank=local_rank, device=device,
-                    all_reduce_sum=_all_reduce(torch_dist.ReduceOp.SUM, rollout_group),
-                    all_reduce_max=_all_reduce(torch_dist.ReduceOp.MAX, rollout_group), placement=placement)
+    training = rank in trainers
+    ranks, group = (trainers, trainer_group) if training else (engines, rollout_group)
+    placement = Placement("trainer" if training else "rollout", rank, trainers, engines, link, weights)
+    fsdp.use_group(group)
+    return DistInfo(rank=rank - ranks[0], world_size=len(ranks), local_rank=local_rank, device=device,
+                    mesh=DeviceMesh.from_group(group, device.type) if training else None,  # the trainers shard
+                    all_reduce_sum=_all_reduce(torch_dist.ReduceOp.SUM, group),
+                    all_reduce_max=_all_reduce(torch_dist.ReduceOp.MAX, group), placement=placement)
 
 
 def under_torchrun() -> bool:

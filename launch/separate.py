@@ -38,6 +38,7 @@ from grpo.evaluate import evaluation_due
 from grpo.groups import collect_shares
 from rollout.buckets import bucketed, tensor_bytes
 from rollout.engine import stream_seed
+from rollout.sync import updating_weights
 
 
 @dataclass
@@ -125,27 +126,24 @@ def receive_weights(engine, group, device: torch.device) -> Header:
     header = holder[0]
     if header.stop:
         return header
-    engine.wake(("weights",))
-    while True:
-        torch_dist.broadcast_object_list(holder, src=0, group=group)
-        manifest = holder[0]
-        if manifest is None:
-            break
-        tensors = {}
-        for dtype in sorted({entry[2] for entry in manifest}):
-            entries = [entry for entry in manifest if entry[2] == dtype]
-            flat = torch.empty(sum(torch.Size(shape).numel() for _, shape, _ in entries), dtype=getattr(torch, dtype),
-                               device=device)
-            torch_dist.broadcast(flat, src=0, group=group)
-            offset = 0
-            for name, shape, _ in entries:
-                size = torch.Size(shape).numel()
-                tensors[name] = flat[offset:offset + size].view(shape)
-                offset += size
-        engine.update_weights([(name, tensors[name]) for name, _, _ in manifest])
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    engine.wake(("kv_cache",))
+    with updating_weights(engine):
+        while True:
+            torch_dist.broadcast_object_list(holder, src=0, group=group)
+            manifest = holder[0]
+            if manifest is None:
+                break
+            tensors = {}
+            for dtype in sorted({entry[2] for entry in manifest}):
+                entries = [entry for entry in manifest if entry[2] == dtype]
+                flat = torch.empty(sum(torch.Size(shape).numel() for _, shape, _ in entries),
+                                   dtype=getattr(torch, dtype), device=device)
+                torch_dist.broadcast(flat, src=0, group=group)
+                offset = 0
+                for name, shape, _ in entries:
+                    size = torch.Size(shape).numel()
+                    tensors[name] = flat[offset:offset + size].view(shape)
+                    offset += size
+            engine.update_weights([(name, tensors[name]) for name, _, _ in manifest])
     return header
 
 
@@ -169,6 +167,7 @@ class RemoteRollout:
         self.received = -1  # the last step whose message arrived
         self.position = 0  # the data position after the last batch trained (what a checkpoint records)
         self.version = 0
+        self.sender = placement.global_rank == placement.trainer_ranks[0]  # trainer 0 broadcasts the weights
 
     def _message(self, step: int) -> Message:
         while step not in self.messages:
@@ -182,7 +181,7 @@ class RemoteRollout:
         self.version, self.received = start_step, start_step - 1
         header = Header(stop=False, version=start_step, start=start_step, positions=tuple(positions))
         return broadcast_weights(self.model, self.placement.weights, header, bucket_bytes=self.bucket_bytes,
-                                 sender=self.placement.global_rank == self.placement.trainer_ranks[0])
+                                 sender=self.sender)
 
     def collect(self, step: int):
         message = self._message(step)
@@ -201,7 +200,7 @@ class RemoteRollout:
         self.version += 1
         header = Header(stop=False, version=self.version)
         return broadcast_weights(self.model, self.placement.weights, header, bucket_bytes=self.bucket_bytes,
-                                 sender=self.placement.global_rank == self.placement.trainer_ranks[0])
+                                 sender=self.sender)
 
     def close(self, signal: int = 0) -> None:
         """Drain the message on its way, then broadcast the stop. The rollout ranks send msg_j once they hold v_j:
@@ -213,7 +212,7 @@ class RemoteRollout:
         self.messages.clear()
         broadcast_weights(self.model, self.placement.weights, Header(stop=True, version=self.version, signal=signal),
                           bucket_bytes=self.bucket_bytes,
-                          sender=self.placement.global_rank == self.placement.trainer_ranks[0])
+                          sender=self.sender)
 
 
 class PositionOf:
@@ -291,9 +290,8 @@ def serve(side: RolloutSide) -> int:
 def _generate(side: RolloutSide, step: int) -> list:
     """The replica's batches of step `step`, one per trainer it serves."""
     spec = side.spec
-    batches = collect_shares(
+    return collect_shares(
         side.engine, side.sampler, side.rows, side.prompt_ids, side.scorer,
         num_prompts=spec.batching.prompts_per_step, group_size=spec.batching.group_size,
         sampling=spec.sampling.kwargs(), seed=stream_seed(spec.seed, step, side.replica),
         dynamic_sampling=spec.dynamic_sampling, max_rounds=spec.max_gen_batches, shares=len(side.served))
-    return batches

@@ -159,8 +159,8 @@ def run(cfg: Config, dist, *, resume: bool = False, rows: list[dict] | None = No
         except (ConfigError, KeyboardInterrupt):
             raise
         except Exception as error:
-            step = getattr(built, "checkpoints", None).step if built is not None and hasattr(built, "checkpoints") \
-                else None
+            checkpoints = getattr(built, "checkpoints", None)  # a rollout rank has none
+            step = checkpoints.step if checkpoints is not None else None
             raise RunFailed(describe_failure(error, rank=_global_rank(dist), step=step,
                                              collective_timeout_s=cfg.trainer.collective_timeout_s)) from error
         finally:
@@ -252,10 +252,6 @@ def main(argv=None) -> int:
     from launch.dist import shutdown
     try:
         cfg = load_config(args.config, args.overrides + (["trainer.resume=always"] if args.resume else []))
-    except ConfigError as error:
-        print(f"config error: {error}", file=sys.stderr)
-        return 2
-    try:
         dist = init_for(cfg)
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)

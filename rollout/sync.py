@@ -7,6 +7,7 @@ Every rank must call `sync_weights` at the same point: gathering a sharded tenso
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,19 @@ from models.lora import merged_state_dict
 from rollout.buckets import bucketed, tensor_bytes
 
 DEFAULT_BUCKET_BYTES = 1 << 30
+
+
+@contextmanager
+def updating_weights(engine):
+    """The engine's order for a weight update (launch.plan.engine_cycle), around the loads in the block: its
+    weights' memory back (a vLLM asleep at level 2 holds none), the new weights in, this process's cached blocks
+    and the gathered buckets released, and only then the KV cache, so the buckets never sit on top of a full KV
+    cache."""
+    engine.wake(("weights",))
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    engine.wake(("kv_cache",))
 
 
 def sync_weights(model, engine, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict[str, float]:
@@ -34,26 +48,20 @@ def sync_weights(model, engine, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
     total_bytes = 0
     buckets = 0
     max_bucket_bytes = 0
-    # The engine's order for a weight update (launch.plan.engine_cycle): its weights' memory back (a vLLM
-    # asleep at level 2 holds none), the new weights in, this process's cached blocks and the gathered buckets
-    # released, and only then the KV cache, so the buckets never sit on top of a full KV cache.
-    engine.wake(("weights",))
-    for bucket in bucketed(merged_state_dict(model), bucket_bytes):
-        size = sum(tensor_bytes(tensor) for _, tensor in bucket)
-        total_bytes += size
-        max_bucket_bytes = max(max_bucket_bytes, size)
-        buckets += 1
-        load_start = time.perf_counter()
-        engine.update_weights(bucket)
-        load_seconds += time.perf_counter() - load_start
-        del bucket  # drop the gathered tensors before the next bucket is gathered
-    if dist.is_available() and dist.is_initialized():
-        # Every replica holds the new weights before any rank starts the next rollout; this also makes
-        # sync/seconds the slowest rank's time rather than the first to finish.
-        dist.barrier()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    engine.wake(("kv_cache",))
+    with updating_weights(engine):
+        for bucket in bucketed(merged_state_dict(model), bucket_bytes):
+            size = sum(tensor_bytes(tensor) for _, tensor in bucket)
+            total_bytes += size
+            max_bucket_bytes = max(max_bucket_bytes, size)
+            buckets += 1
+            load_start = time.perf_counter()
+            engine.update_weights(bucket)
+            load_seconds += time.perf_counter() - load_start
+            del bucket  # drop the gathered tensors before the next bucket is gathered
+        if dist.is_available() and dist.is_initialized():
+            # Every replica holds the new weights before any rank starts the next rollout; this also makes
+            # sync/seconds the slowest rank's time rather than the first to finish.
+            dist.barrier()
     return {
         "sync/seconds": time.perf_counter() - start,
         "sync/load_seconds": load_seconds,

@@ -25,7 +25,7 @@ from rollout.engine import (
 )
 
 SLEEP_LEVEL = 2  # launch.plan.CUDA_VLLM_CYCLE: weights and KV cache dropped, the sync refills the weights
-WORKER_EXTENSION = "rollout.vllm_engine.WeightReload"  # an engine core in a process of its own loads weights so
+WORKER_EXTENSION = "rollout.vllm_engine.WeightReload"  # how an engine core in a process of its own gets weights
 
 NEEDED_VLLM = (0, 32)  # worker.reload_weights(weights_iterator=...): the layer-wise in-place reload
 
