@@ -86,7 +86,7 @@ def evidence_cases(rows: int) -> list[tuple]:
 
 
 def verifier_cases(copies: int) -> list[tuple]:
-    from data.verifier import parse_judgment
+    from rewards.verifier import gold_judgment
 
     path = Path(__file__).resolve().parents[1] / "data" / "fixtures" / "verifier_sample.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -96,8 +96,8 @@ def verifier_cases(copies: int) -> list[tuple]:
                  f"{reasoning}I cannot decide.", f"{reasoning}\\boxed{{\\text{{A}}}}"]
     cases = []
     for copy in range(copies):
-        for number, record in enumerate(records):
-            truth = parse_judgment(record["gold_judgment"], f"{path}:{number + 1}")
+        for record in records:
+            truth = gold_judgment(record["gold_judgment"])
             cases += [("verifier", text, truth, None) for text in judgments]
     return cases
 

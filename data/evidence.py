@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 
 from data.rows import make_row
+from rewards.scifact import LABELS
 
-LABELS = ("SUPPORTS", "REFUTES", "NOT_ENOUGH_INFO")
 DATA_SOURCE = "scifact_evidence"
 ABILITY = "fact_verification"
 
@@ -59,66 +59,29 @@ def evidence_target(label: str, evidence: list[str]) -> str:
     >>> evidence_target("NOT_ENOUGH_INFO", [])
     '<answer>\\nNOT_ENOUGH_INFO\\n</answer>\\n\\n<evidence>\\n</evidence>'
     """
-    _check_label(label)
     lines = "".join(f"[{k}] {_one_line(sentence)}\n" for k, sentence in enumerate(evidence, start=1))
     return f"<answer>\n{label}\n</answer>\n\n<evidence>\n{lines}</evidence>"
 
 
-def evidence_ground_truth(label: str, evidence: list[str]) -> str:
-    """The reward's ground truth as JSON text: `{"answer": label, "evidence": [sentence, ...]}`."""
-    _check_label(label)
-    return json.dumps({"answer": label, "evidence": [_one_line(sentence) for sentence in evidence]}, ensure_ascii=False)
-
-
-def _check_label(label: str) -> None:
+def evidence_row(claim: str, title: str, sentences: list[str], label: str, evidence_indices: list[int], *,
+                 index: int, split: str, **extra_info) -> dict:
+    """A complete `scifact_evidence` row: the prompt, the ground truth `{"answer": label, "evidence":
+    [sentence, ...]}` as JSON text, and in `extra_info` the SFT target, the label, the evidence indices (0-based
+    into `sentences`; the evidence is listed in reading order) and any extras. NOT_ENOUGH_INFO takes no
+    evidence, the other labels at least one sentence."""
     if label not in LABELS:
         raise ValueError(f"label {label!r} is not one of {LABELS}")
-
-
-def evidence_example(
-    claim: str, title: str, sentences: list[str], label: str, evidence_indices: list[int]
-) -> tuple[str, str, str]:
-    """(prompt text, ground truth JSON, SFT target) for one claim; evidence indices are 0-based into `sentences`.
-
-    The evidence is listed in reading order; NOT_ENOUGH_INFO must come with no indices.
-    """
     if label == "NOT_ENOUGH_INFO" and evidence_indices:
         raise ValueError(f"NOT_ENOUGH_INFO takes no evidence, got indices {evidence_indices}")
     if label != "NOT_ENOUGH_INFO" and not evidence_indices:
         raise ValueError(f"{label} needs at least one evidence sentence")
-    for index in evidence_indices:
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(sentences):
-            raise ValueError(f"evidence index {index!r} is out of range for {len(sentences)} sentences")
-    evidence = [sentences[index] for index in sorted(set(evidence_indices))]
-    return (
-        evidence_prompt(claim, title, sentences),
-        evidence_ground_truth(label, evidence),
-        evidence_target(label, evidence),
-    )
-
-
-def evidence_row(
-    claim: str,
-    title: str,
-    sentences: list[str],
-    label: str,
-    evidence_indices: list[int],
-    *,
-    index: int,
-    split: str,
-    **extra_info,
-) -> dict:
-    """A complete `scifact_evidence` row; `extra_info` gets the target, the evidence indices and any extras."""
-    prompt, ground_truth, target = evidence_example(claim, title, sentences, label, evidence_indices)
-    return make_row(
-        [{"role": "user", "content": prompt}],
-        data_source=DATA_SOURCE,
-        ability=ABILITY,
-        ground_truth=ground_truth,
-        index=index,
-        split=split,
-        target=target,
-        label=label,
-        evidence_indices=sorted(set(evidence_indices)),
-        **extra_info,
-    )
+    for position in evidence_indices:
+        if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position < len(sentences):
+            raise ValueError(f"evidence index {position!r} is out of range for {len(sentences)} sentences")
+    indices = sorted(set(evidence_indices))
+    evidence = [sentences[position] for position in indices]
+    ground_truth = json.dumps({"answer": label, "evidence": [_one_line(sentence) for sentence in evidence]},
+                              ensure_ascii=False)
+    return make_row([{"role": "user", "content": evidence_prompt(claim, title, sentences)}], data_source=DATA_SOURCE,
+                    ability=ABILITY, ground_truth=ground_truth, index=index, split=split,
+                    target=evidence_target(label, evidence), label=label, evidence_indices=indices, **extra_info)

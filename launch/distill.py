@@ -6,72 +6,237 @@
         --samples 2 --max-new-tokens 64                                          # CPU, the embedded model
 
 The input is data.verifier's judgments JSONL ({question, gold_answer, llm_response, gold_judgment}); each row's
-verifier prompt goes to the teacher K times (--samples, sampled at --temperature), every sample goes through
-data.distill's filters (gold judgment, concluding summary of a thinking teacher, structure, length), and the
-kept ones become SFT rows (reasoning + `Final Judgment: \\boxed{X}`) with a report of the count per reason
-(OUT with the suffix .report.json). Train on them with launch/configs/verifier_sft.yaml, then DAPO with
-launch/configs/verifier_dapo.yaml.
+verifier prompt goes to the teacher K times (--samples, sampled at --temperature), and the samples that pass
+the filters below become SFT rows, with a report of the count per reason (OUT with the suffix .report.json).
+Train on them with launch/configs/verifier_sft.yaml, then DAPO with launch/configs/verifier_dapo.yaml.
+Sampling needs a model, so this lives in launch/ (data/ imports none); the filters are pure functions,
+tested on scripted teacher outputs.
 
-Why here and not `python -m data.distill`: sampling needs a model and an engine, and data/ may import neither
-(jobs that sample live in launch/: docs/conventions.md, "Where code lives"); data/distill.py holds the filters
-and the row writing, this module only generates.
+One sample goes through these filters, in order; the first that fails names the sample's reason in the
+report (REASONS), and only "kept" samples become SFT rows:
+
+    truncated            the teacher hit its token limit (finish reason "length")
+    unfinished_thinking  a thinking teacher opened <think> and never closed it
+    no_judgment          nothing parses as a judgment (rewards.verifier.parse_judgment, the reward's own parser)
+    label_outside_set    a final \\boxed{...} holds something other than A, B or C
+    wrong_judgment       the judgment is not the gold letter (rejection sampling: B and C are distinct here)
+    unstructured         not "reasoning, then one `Final Judgment: \\boxed{X}` line at the end": several boxes
+                         or markers, text after the box, or a judgment given only as a bare letter or tag
+    empty_reasoning      nothing before the judgment line
+    overlong             the reasoning has more than max_reasoning_tokens tokens
+    duplicate            the same reasoning as a sample already kept for this row
+    surplus              the row already has per_example kept samples
+
+A thinking teacher (its text holds `</think>`) is judged on its concluding summary only, the text after the
+last `</think>`: the verifier paper keeps the summary and drops the long thinking, which adds length but no
+accuracy. The SFT target is the reasoning, a blank line and `Final Judgment: \\boxed{X}` (data.verifier's
+target line), written into a copy of data.verifier's row, so SFT and the verifier reward read one format.
 """
 from __future__ import annotations
 
 import argparse
+import copy
+import json
+import re
 import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
-import torch
+from tqdm import tqdm
 
-from data.distill import DistillReport, distill_example, write_distilled, write_report
-from data.verifier import convert_verifier, rebalance
-from launch.eval import add_engine_arguments, exit_2_on_bad_input, load_engine, resolve_model
+from data.jsonio import atomic_write_text
+from data.rows import write_rows
+from data.verifier import convert_verifier, rebalance, verifier_target
+from launch.eval import add_engine_arguments, check_positive, engine_from_args, exit_2_on_bad_input, resolve_model
+from models import render_prompt
+from rewards.verifier import JUDGMENTS, last_boxed_span, last_marker, parse_judgment
+
+REASONS = ("kept", "truncated", "unfinished_thinking", "no_judgment", "label_outside_set", "wrong_judgment",
+           "unstructured", "empty_reasoning", "overlong", "duplicate", "surplus")
+# Between "Final Judgment" and its box only a colon, spaces, markdown emphasis or a LaTeX `$` may stand; after
+# the box's closing brace only closing punctuation.
+_MARKER_TO_BOX = re.compile(r"[\s:：*_`$]*")
+_AFTER_BOX = re.compile(r"[\s.。!*_`$)\]]*")
+_REASONING_TRAIL = " \t\r\n*_#-:"
 
 
-def sample_teacher(engine, prompt_ids: list[list[int]], *, samples: int, max_new_tokens: int, temperature: float,
-                   top_p: float, batch_size: int, seed: int) -> list[list[tuple[str, str]]]:
-    """[(text, finish_reason)] * samples for every prompt, in prompt order; batch b samples with seed + b."""
-    from tqdm import tqdm
+def concluding_text(text: str) -> str | None:
+    """The text after the last `</think>`; the whole text when there is no thinking; None when a `<think>`
+    was opened and never closed (the summary was never written).
 
-    results: list[list[tuple[str, str]]] = []
-    for batch, start in enumerate(tqdm(range(0, len(prompt_ids), batch_size), desc="teacher", file=sys.stderr,
-                                       disable=None)):
-        chunk = prompt_ids[start:start + batch_size]
-        completions = engine.generate(chunk, n=samples, max_new_tokens=max_new_tokens, temperature=temperature,
-                                      top_p=top_p, top_k=0, stop=[], seed=seed + batch)
-        for index in range(len(chunk)):
-            group = completions[index * samples:(index + 1) * samples]
-            results.append([(completion.text, completion.finish_reason) for completion in group])
-    return results
+    >>> concluding_text("<think>long thoughts</think>\\nShort summary."), concluding_text("<think>cut off")
+    ('\\nShort summary.', None)
+    """
+    lower = text.lower()
+    end = lower.rfind("</think>")
+    if end >= 0:
+        return text[end + len("</think>"):]
+    return None if "<think>" in lower else text
+
+
+def split_reasoning(summary: str) -> str | None:
+    """The reasoning before a well-formed final `Final Judgment: \\boxed{X}` line, or None when the summary
+    is unstructured (see the module docstring). The reasoning may be empty.
+
+    >>> split_reasoning("Both say 144.\\n\\n**Final Judgment:** \\\\boxed{A}.")
+    'Both say 144.'
+    >>> split_reasoning("Final Judgment: \\\\boxed{A}. Wait, Final Judgment: \\\\boxed{B}") is None
+    True
+    """
+    span = last_boxed_span(summary)
+    marker = last_marker(summary)
+    if span is None or marker is None or summary.count("\\boxed{") != 1:
+        return None
+    box_start = span[0] - len("\\boxed{")
+    if marker.end() > box_start or _MARKER_TO_BOX.fullmatch(summary, marker.end(), box_start) is None:
+        return None
+    if _AFTER_BOX.fullmatch(summary, span[1] + 1) is None:
+        return None
+    if last_marker(summary[:marker.start()]) is not None:  # the judgment was stated twice
+        return None
+    return summary[:marker.start()].rstrip(_REASONING_TRAIL).strip()
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one teacher sample is worth: its reason (one of REASONS) and, when kept, its reasoning and judgment."""
+
+    reason: str
+    reasoning: str | None = None
+    judgment: str | None = None
+
+
+def judge_sample(text: str, gold: str, *, finish_reason: str, max_reasoning_tokens: int,
+                 count_tokens: Callable[[str], int]) -> Verdict:
+    """Run one sample through the filters of the module docstring (gold: "A", "B" or "C").
+
+    count_tokens: the teacher tokenizer's token count of a text.
+    """
+    if gold not in JUDGMENTS:
+        raise ValueError(f"gold judgment must be one of {JUDGMENTS}, got {gold!r}")
+    if finish_reason == "length":
+        return Verdict("truncated")
+    summary = concluding_text(text)
+    if summary is None:
+        return Verdict("unfinished_thinking")
+    judged = parse_judgment(summary)
+    if judged is None:
+        return Verdict("label_outside_set" if last_boxed_span(summary) is not None else "no_judgment")
+    if judged != gold:
+        return Verdict("wrong_judgment", judgment=judged)
+    reasoning = split_reasoning(summary)
+    if reasoning is None:
+        return Verdict("unstructured", judgment=judged)
+    if not reasoning:
+        return Verdict("empty_reasoning", judgment=judged)
+    if count_tokens(reasoning) > max_reasoning_tokens:
+        return Verdict("overlong", reasoning, judged)
+    return Verdict("kept", reasoning, judged)
+
+
+@dataclass
+class DistillReport:
+    """Counts per reason over every sample, and the kept rows per gold label (distill_example counts each)."""
+
+    samples_per_example: int
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
+    kept_by_label: dict[str, int] = field(default_factory=lambda: dict.fromkeys(JUDGMENTS, 0))
+    examples: int = 0
+    examples_with_kept: int = 0
+
+    def as_dict(self) -> dict:
+        total = sum(self.counts.values())
+        return {"examples": self.examples, "samples_per_example": self.samples_per_example, "samples": total,
+                "kept": self.counts["kept"], "examples_with_kept": self.examples_with_kept,
+                "by_reason": dict(self.counts), "kept_by_label": dict(self.kept_by_label)}
+
+    def format(self) -> str:
+        """Readable lines: totals, then each reason with its count and share of all samples."""
+        total = max(sum(self.counts.values()), 1)
+        lines = [f"{self.examples} examples x {self.samples_per_example} samples: {self.counts['kept']} kept "
+                 f"({self.examples_with_kept} examples with at least one); kept by gold label {self.kept_by_label}"]
+        lines += [f"  {reason:<20} {count:>7}  {count / total:6.1%}" for reason, count in self.counts.items()]
+        return "\n".join(lines)
+
+
+def distill_example(row: dict, samples: Sequence[tuple[str, str]], report: DistillReport, *, per_example: int,
+                    max_reasoning_tokens: int, count_tokens: Callable[[str], int], teacher: str) -> list[dict]:
+    """SFT rows from one verifier row (data.verifier's format) and its teacher samples [(text, finish_reason)];
+    every sample is counted in `report` under exactly one reason."""
+    gold = row["reward_model"]["ground_truth"]
+    kept: list[dict] = []
+    seen: set[str] = set()
+    for sample_index, (text, finish_reason) in enumerate(samples):
+        verdict = judge_sample(text, gold, finish_reason=finish_reason, max_reasoning_tokens=max_reasoning_tokens,
+                               count_tokens=count_tokens)
+        reason = verdict.reason
+        if reason == "kept" and verdict.reasoning in seen:
+            reason = "duplicate"
+        elif reason == "kept" and len(kept) >= per_example:
+            reason = "surplus"
+        report.counts[reason] += 1
+        if reason != "kept":
+            continue
+        seen.add(verdict.reasoning)
+        report.kept_by_label[gold] += 1
+        distilled = copy.deepcopy(row)
+        distilled["extra_info"].update(target=f"{verdict.reasoning}\n\n{verifier_target(verdict.judgment)}",
+                                       teacher=teacher, teacher_sample=sample_index)
+        kept.append(distilled)
+    report.examples += 1
+    report.examples_with_kept += bool(kept)
+    return kept
+
+
+def write_report(out: str | Path, report: DistillReport) -> Path:
+    """The report as JSON beside the SFT file (sft.jsonl -> sft.report.json); returns its path."""
+    path = Path(out).with_suffix(".report.json")
+    atomic_write_text(path, json.dumps(report.as_dict(), indent=1) + "\n")
+    return path
+
+
+def write_distilled(rows: list[dict], out: str | Path, report: DistillReport) -> Path:
+    """Write the report beside `out` (always), then the SFT rows (JSONL or Parquet by suffix) and return the
+    report's path; when no sample was kept, nothing is written to `out` and ValueError says so."""
+    path = write_report(out, report)
+    if not rows:
+        raise ValueError(f"no teacher sample passed the filters, so {out} was not written (report: {path}):\n"
+                         f"{report.format()}")
+    for index, row in enumerate(rows):  # the SFT rows are numbered afresh; the verifier row's index stays
+        row["extra_info"]["source_index"] = row["extra_info"]["index"]
+        row["extra_info"]["index"] = index
+    write_rows(rows, Path(out))
+    return path
 
 
 def distill_rows(engine, tokenizer, rows: list[dict], *, samples: int, max_reasoning_tokens: int,
                  per_example: int, max_new_tokens: int, temperature: float, top_p: float, batch_size: int,
                  seed: int, teacher: str) -> tuple[list[dict], DistillReport]:
-    """(SFT rows, report) for verifier rows: the teacher samples each row's prompt, data.distill judges."""
-    from models import render_prompt
-
-    prompt_ids = [render_prompt(tokenizer, row["prompt"]) for row in rows]
-    sampled = sample_teacher(engine, prompt_ids, samples=samples, max_new_tokens=max_new_tokens,
-                             temperature=temperature, top_p=top_p, batch_size=batch_size, seed=seed)
-    report = DistillReport(samples_per_example=samples)
+    """(SFT rows, report) for verifier rows: the teacher samples each row's prompt `samples` times (the batch
+    of prompts b with seed + b) and distill_example judges the samples."""
+    report, kept = DistillReport(samples_per_example=samples), []
 
     def count_tokens(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
 
-    kept = []
-    for row, row_samples in zip(rows, sampled):
-        kept += distill_example(row, row_samples, report, per_example=per_example,
-                                max_reasoning_tokens=max_reasoning_tokens, count_tokens=count_tokens, teacher=teacher)
+    starts = range(0, len(rows), batch_size)
+    for batch, start in enumerate(tqdm(starts, desc="teacher", file=sys.stderr, disable=None)):
+        chunk = rows[start:start + batch_size]
+        completions = engine.generate([render_prompt(tokenizer, row["prompt"]) for row in chunk], n=samples,
+                                      max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=0,
+                                      stop=[], seed=seed + batch)
+        for index, row in enumerate(chunk):
+            group = [(completion.text, completion.finish_reason)
+                     for completion in completions[index * samples:(index + 1) * samples]]
+            kept += distill_example(row, group, report, per_example=per_example,
+                                    max_reasoning_tokens=max_reasoning_tokens, count_tokens=count_tokens,
+                                    teacher=teacher)
     return kept, report
 
 
-def _positive(name: str, value: int | None) -> None:
-    if value is not None and value < 1:
-        raise ValueError(f"--{name} must be at least 1, got {value}")
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
+@exit_2_on_bad_input
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.distill", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--teacher", required=True, help="model directory, run directory, 'default', or org/name")
@@ -90,21 +255,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="keep the input's label ratio (default: 1:1 correct/incorrect, as data.verifier)")
     parser.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (default 8; vllm: all)")
     add_engine_arguments(parser)
-    return parser.parse_args(argv)
-
-
-@exit_2_on_bad_input
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else list(argv))
-    for name in ("samples", "max_reasoning_tokens", "per_example", "max_new_tokens", "limit", "batch_size"):
-        _positive(name.replace("_", "-"), getattr(args, name))
+    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    check_positive(args, "samples", "max_reasoning_tokens", "per_example", "max_new_tokens", "limit", "batch_size")
     rows = convert_verifier(args.input)[:args.limit]  # every line is checked (file:line errors) before any model
     if not args.no_rebalance:
         rows = rebalance(rows, args.seed)
-    model_dir = resolve_model(args.teacher)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    engine, tokenizer = load_engine(args.engine, model_dir, device, dtype, max_model_len=args.max_model_len)
+    engine, tokenizer, _ = engine_from_args(args, resolve_model(args.teacher))
     batch_size = args.batch_size or (len(rows) if args.engine == "vllm" else 8)
     kept, report = distill_rows(engine, tokenizer, rows, samples=args.samples,
                                 max_reasoning_tokens=args.max_reasoning_tokens, per_example=args.per_example,

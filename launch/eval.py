@@ -1,5 +1,5 @@
 """Full evaluation of a model on row files: greedy completions, the published tables' metrics per data source
-(data/metrics.py), per-example predictions, and markdown tables that compare several evaluated runs.
+(data/eval_metrics.py), per-example predictions, and markdown tables that compare several evaluated runs.
 
     python -m launch.eval --model runs/demo/grpo --data runs/demo/data/heldout.jsonl --out runs/demo/eval_grpo
     python -m launch.eval --model default --data dev.jsonl --out eval/base --relaxed --limit 100
@@ -21,10 +21,18 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+import torch
+
+import rewards
+from data.eval_metrics import FACTQA, score_example, summarize
 from data.jsonio import atomic_write_text
-from data.metrics import FACTQA, score_example, summarize
+from data.rows import read_rows
 from grpo.evaluate import greedy_completions
 from grpo.scoring import Scorer
+from models import render_prompt, resolve_model_dir
+from models.chat import prefix_decoder
+from models.checkpoint import latest_checkpoint
+from rewards.factqa import INDEX_ENV
 
 DEFAULT_BATCH_SIZE = 16
 
@@ -32,9 +40,6 @@ DEFAULT_BATCH_SIZE = 16
 def resolve_model(spec: str) -> Path | None:
     """The directory to load: None for "default"; a model directory (config.json) as it is; a run directory
     -> its latest complete checkpoint. Anything else goes to models.resolve_model_dir (local HF cache)."""
-    from models import resolve_model_dir
-    from models.checkpoint import latest_checkpoint
-
     if spec == "default":
         return None
     path = Path(spec).expanduser()
@@ -57,14 +62,9 @@ def resolve_model(spec: str) -> Path | None:
 def read_data(paths: list[str], limit: int | None) -> list[dict]:
     """Records (file, row, data_source, ground_truth, extra_info, prompt messages) of every file, the first
     `limit` rows of each; every file is read and checked before anything runs."""
-    from data.rows import read_rows
-
-    if limit is not None and limit < 1:
-        raise ValueError(f"--limit must be at least 1, got {limit}")
     records = []
     for path in paths:
-        rows = read_rows(path)[:limit]
-        for number, row in enumerate(rows, start=1):
+        for number, row in enumerate(read_rows(path)[:limit], start=1):
             record = {"file": str(path), "row": number, "index": (row.get("extra_info") or {}).get("index"),
                       "data_source": row["data_source"], "ground_truth": row["reward_model"]["ground_truth"],
                       "extra_info": row.get("extra_info") or {}, "messages": row["prompt"]}
@@ -79,9 +79,6 @@ def read_data(paths: list[str], limit: int | None) -> list[dict]:
 def reward_sources(records: list[dict]) -> set[str]:
     """Data sources whose reward can be computed here. factqa_corpus needs a corpus index (set through
     extra_info or the environment): without one its reward is left out and said so, not scored as 0."""
-    import rewards
-    from rewards.factqa import INDEX_ENV
-
     available = set()
     for source in dict.fromkeys(record["data_source"] for record in records):
         if source == FACTQA and not os.environ.get(INDEX_ENV) and not all(
@@ -100,10 +97,6 @@ def reward_sources(records: list[dict]) -> set[str]:
 def evaluate_records(engine, tokenizer, records: list[dict], *, max_new_tokens: int, batch_size: int,
                      relaxed: bool = False) -> tuple[list[dict], dict]:
     """(predictions, {data_source: metrics}): each record completed greedily, rewarded, and scored."""
-    import rewards
-    from models import render_prompt
-    from models.chat import prefix_decoder
-
     prompt_ids = [render_prompt(tokenizer, record["messages"]) for record in records]
     context = getattr(engine, "max_context", None) or getattr(engine, "max_model_len", None)
     for record, ids in zip(records, prompt_ids):
@@ -193,12 +186,28 @@ def compare(directories: list[str]) -> str:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """--engine, --device, --dtype, --max-model-len: what load_engine takes (launch.eval, launch.distill)."""
+    """--engine, --device, --dtype, --max-model-len: what engine_from_args reads (launch.eval, launch.distill)."""
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu (hf engine)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--max-model-len", type=int, default=4096, help="vllm: prompt + completion tokens")
+
+
+def check_positive(args: argparse.Namespace, *names: str) -> None:
+    """Each named option that is set must be at least 1 (bad input, reported before any model loads)."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
+def engine_from_args(args: argparse.Namespace, model_dir: Path | None) -> tuple[object, object, str]:
+    """(engine, tokenizer, dtype) for add_engine_arguments' options, their defaults filled in for this machine."""
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    engine, tokenizer = load_engine(args.engine, model_dir, device, dtype, max_model_len=args.max_model_len)
+    return engine, tokenizer, dtype
 
 
 def load_engine(engine_kind: str, model_dir: Path | None, device: str, dtype: str, max_model_len: int):
@@ -219,22 +228,28 @@ def load_engine(engine_kind: str, model_dir: Path | None, device: str, dtype: st
     return engine, tokenizer
 
 
-def evaluate_command(args: argparse.Namespace) -> None:
-    import torch
-
+def evaluate_command(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m launch.eval", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="model directory, run directory, 'default', or org/name")
+    parser.add_argument("--data", required=True, action="append", help="rows file (.jsonl/.parquet); repeatable")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help=f"prompts per generate call (default {DEFAULT_BATCH_SIZE}; vllm: all at once)")
+    parser.add_argument("--limit", type=int, default=None, help="evaluate the first N rows of each file")
+    parser.add_argument("--relaxed", action="store_true", help="label-only parsing for models that ignore the "
+                        "format (SciFact: the label the reply starts with)")
+    add_engine_arguments(parser)
+    args = parser.parse_args(argv)
+    check_positive(args, "limit", "max_new_tokens", "batch_size")
     model_dir = resolve_model(args.model)
     records = read_data(args.data, args.limit)
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    if args.batch_size is not None and args.batch_size < 1:
-        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; give a directory")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     batch_size = args.batch_size or (len(records) if args.engine == "vllm" else DEFAULT_BATCH_SIZE)
-    engine, tokenizer = load_engine(args.engine, model_dir, device, dtype, max_model_len=args.max_model_len)
+    engine, tokenizer, dtype = engine_from_args(args, model_dir)
     predictions, metrics = evaluate_records(engine, tokenizer, records, max_new_tokens=args.max_new_tokens,
                                             batch_size=batch_size, relaxed=args.relaxed)
     name = "default" if model_dir is None else Path(args.model).name
@@ -250,24 +265,8 @@ def evaluate_command(args: argparse.Namespace) -> None:
     print(report)
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m launch.eval", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="model directory, run directory, 'default', or org/name")
-    parser.add_argument("--data", required=True, action="append", help="rows file (.jsonl/.parquet); repeatable")
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help=f"prompts per generate call (default {DEFAULT_BATCH_SIZE}; vllm: all at once)")
-    parser.add_argument("--limit", type=int, default=None, help="evaluate the first N rows of each file")
-    parser.add_argument("--relaxed", action="store_true",
-                        help="label-only parsing for models that ignore the format (SciFact: the label the reply starts with)")
-    add_engine_arguments(parser)
-    return parser.parse_args(argv)
-
-
 def exit_2_on_bad_input(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
-    """For a command's main(argv) (this one and launch.plot's): bad input, a ValueError or FileNotFoundError whose
+    """For a command's main(argv) (launch.eval, .plot, .distill): bad input, a ValueError or FileNotFoundError whose
     message names the file, row, key or value, prints `error: MESSAGE` on stderr and returns exit status 2
     instead of a traceback."""
     @functools.wraps(main)
@@ -294,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             atomic_write_text(args.out, table)
         print(table)
     else:
-        evaluate_command(parse_args(argv))
+        evaluate_command(argv)
     return 0
 
 

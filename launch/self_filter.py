@@ -1,30 +1,131 @@
-"""Self-filter a factual-QA set to the current model's learning zone (data/self_filter.py's rule: keep a
-question when k of G sampled answers are judged right, min_correct <= k <= max_correct), sampling with the
-project's transformers engine. The sampling lives here, not in data/: data/ is rows and knows no model.
+"""Self-filter a factual-QA set to the current model's learning zone: keep the questions it answers right sometimes.
 
     python -m launch.self_filter --input nq.jsonl --out nq_zone.jsonl --group-size 8
+
+A question the model always gets right (or never) gives a GRPO group with equal rewards and no gradient, so
+questions are kept when k of G sampled answers are judged correct with `min_correct <= k <= max_correct`
+(default 1 and G-1). Optional "anchors" add back a few always-correct questions, reported to stabilise
+training of 3B/4B models. The rule (self_filter) reaches the model only through `generate_fn`, so it runs in
+tests without one; the command samples with the project's transformers engine.
 """
 from __future__ import annotations
 
 import argparse
+import copy
+import importlib
 import json
+import random
 from pathlib import Path
+from typing import Callable
 
+import models
 from data.rows import read_rows, write_rows
-from data.self_filter import GenerateFn, check_settings, load_judge, self_filter
+from rollout.hf_engine import HFEngine
+
+GenerateFn = Callable[[list[str], int], list[list[str]]]
+JudgeFn = Callable[[str, str], bool]
 
 
-def engine_generate_fn(
-    model: str | None, *, max_new_tokens: int, temperature: float, top_p: float, seed: int
-) -> GenerateFn:
+def question_of(messages: list[dict]) -> str:
+    """The last user message: the default prompt text handed to `generate_fn`."""
+    return [message["content"] for message in messages if message["role"] == "user"][-1]
+
+
+def check_settings(group_size: int, min_correct: int, max_correct: int | None, anchors: int, batch_size: int) -> int:
+    """Validate the filter's settings (before any model loads); returns max_correct with its default G-1 filled in."""
+    max_correct = group_size - 1 if max_correct is None else max_correct
+    if group_size < 2:
+        raise ValueError(f"group_size must be at least 2, got {group_size}")
+    if not 0 <= min_correct <= max_correct <= group_size:
+        raise ValueError(f"need 0 <= min_correct <= max_correct <= group_size, got {min_correct}, {max_correct}, "
+                         f"{group_size}")
+    if anchors < 0 or batch_size < 1:
+        raise ValueError(f"anchors must be >= 0 and batch_size >= 1, got {anchors} and {batch_size}")
+    return max_correct
+
+
+def self_filter(rows: list[dict], generate_fn: GenerateFn, judge_fn: JudgeFn, *, group_size: int = 8,
+                min_correct: int = 1, max_correct: int | None = None, anchors: int = 0, batch_size: int = 16,
+                seed: int = 0, render: Callable[[list[dict]], str] = question_of) -> tuple[list[dict], dict]:
+    """Keep the rows whose question is answered correctly between `min_correct` and `max_correct` times of G.
+
+    generate_fn(prompts, n) -> for each of the P prompts, its n = G sampled completion texts ([P][G]).
+    judge_fn(text, ground_truth) -> whether one completion answers correctly.
+    render(row["prompt"]) -> the prompt string given to generate_fn (default: the question).
+    anchors: how many always-correct (k = G) rows to add, chosen under `seed` (all of them if fewer exist).
+    Returns (kept rows in input order, stats). Each kept row is a copy whose `extra_info["self_filter"]`
+    records `{"correct": k, "samples": G, "anchor": bool}`.
+    """
+    max_correct = check_settings(group_size, min_correct, max_correct, anchors, batch_size)
+    correct_counts: list[int] = []
+    for start in range(0, len(rows), batch_size):
+        batch = rows[start : start + batch_size]
+        completions = generate_fn([render(row["prompt"]) for row in batch], group_size)
+        if not isinstance(completions, list) or len(completions) != len(batch):
+            raise ValueError(f"generate_fn returned {_size(completions)} for {len(batch)} prompts; expected one list "
+                             "per prompt")
+        for offset, (row, texts) in enumerate(zip(batch, completions)):
+            if not isinstance(texts, list) or len(texts) != group_size or not all(isinstance(t, str) for t in texts):
+                raise ValueError(f"generate_fn returned {_size(texts)} for row {start + offset}; expected "
+                                 f"{group_size} strings")
+            ground_truth = row["reward_model"]["ground_truth"]
+            correct_counts.append(sum(bool(judge_fn(text, ground_truth)) for text in texts))
+
+    in_zone = {i for i, k in enumerate(correct_counts) if min_correct <= k <= max_correct}
+    always_right = sorted(i for i, k in enumerate(correct_counts) if k == group_size and i not in in_zone)
+    chosen_anchors = set(random.Random(seed).sample(always_right, min(anchors, len(always_right))))
+    kept = []
+    for i in sorted(in_zone | chosen_anchors):
+        row = copy.deepcopy(rows[i])
+        row["extra_info"] = dict(row.get("extra_info") or {})
+        row["extra_info"]["self_filter"] = {"correct": correct_counts[i], "samples": group_size,
+                                            "anchor": i in chosen_anchors}
+        kept.append(row)
+    # correct_histogram[k] = number of questions with exactly k of G correct.
+    stats = {"total": len(rows), "kept": len(kept), "in_zone": len(in_zone), "anchors": len(chosen_anchors),
+             "min_correct": min_correct, "max_correct": max_correct,
+             "correct_histogram": [correct_counts.count(k) for k in range(group_size + 1)]}
+    return kept, stats
+
+
+def _size(value) -> str:
+    return f"{len(value)} items" if isinstance(value, list) else f"a {type(value).__name__}"
+
+
+def load_judge(spec: str | None) -> JudgeFn:
+    """The judge named `module:function` (its result counts as correct when True or a number > 0).
+
+    A numeric result is accepted because a reward-style judge scores (+2 correct, -1 otherwise).
+    """
+    if not spec:
+        raise ValueError("no judge given: pass --judge module:function, a function (completion_text, ground_truth) "
+                         "-> bool such as the factual-QA string-match judge of the rewards package")
+    module_name, _, function_name = spec.partition(":")
+    if not module_name or not function_name:
+        raise ValueError(f"--judge {spec!r} must look like module:function")
+    try:
+        function = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"--judge {spec!r} cannot be loaded: {error}") from None
+
+    def judge(text: str, ground_truth: str) -> bool:
+        result = function(text, ground_truth)
+        if isinstance(result, bool):
+            return result
+        if isinstance(result, (int, float)):
+            return result > 0
+        raise ValueError(f"judge {spec!r} returned {type(result).__name__}; expected bool or a number")
+
+    return judge
+
+
+def engine_generate_fn(model: str | None, *, max_new_tokens: int, temperature: float, top_p: float,
+                       seed: int) -> GenerateFn:
     """A generate_fn backed by the project's transformers engine; its prompts are chat messages as JSON text.
 
     Use it with `render=json.dumps` so each prompt is rendered through the model's own chat template
     (system prompt included) and tokenised exactly once.
     """
-    import models
-    from rollout.hf_engine import HFEngine
-
     tokenizer = models.load_tokenizer(model)
     engine = HFEngine(models.load_model(model), tokenizer)
     calls = 0
@@ -33,36 +134,13 @@ def engine_generate_fn(
         nonlocal calls
         prompt_ids = [models.render_prompt(tokenizer, json.loads(prompt)) for prompt in prompts]
         # A different seed per call: the same seed for every batch would correlate the samples across batches.
-        completions = engine.generate(
-            prompt_ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
-            top_p=top_p, top_k=0, stop=None, seed=seed + calls,
-        )
+        completions = engine.generate(prompt_ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
+                                      top_p=top_p, top_k=0, stop=None, seed=seed + calls)
         calls += 1
         texts = [completion.text for completion in completions]
         return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     return generate
-
-
-def filter_command(args: argparse.Namespace) -> None:
-
-    rows = read_rows(args.input)
-    # Settings and judge are checked before the model loads, so a typo fails in a second, not after a minute.
-    check_settings(args.group_size, args.min_correct, args.max_correct, args.anchors, args.batch_size)
-    judge_fn = load_judge(args.judge)
-    generate_fn = engine_generate_fn(
-        args.model, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
-    )
-    kept, stats = self_filter(
-        rows, generate_fn, judge_fn,
-        group_size=args.group_size, min_correct=args.min_correct, max_correct=args.max_correct,
-        anchors=args.anchors, batch_size=args.batch_size, seed=args.seed, render=json.dumps,
-    )
-    if not kept:
-        raise ValueError(f"no question was answered correctly between {stats['min_correct']} and "
-                         f"{stats['max_correct']} times out of {args.group_size}; nothing to write ({stats})")
-    write_rows(kept, Path(args.out))
-    print(f"{args.out}: kept {len(kept)} of {len(rows)} rows {stats}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,12 +158,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="questions per generate call")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--judge", default="rewards.factqa:judge",
-                      help="module:function judging (completion_text, ground_truth): bool, or a number > 0 if right")
+                        help="module:function judging (completion_text, ground_truth): bool, or a number > 0 if right")
     args = parser.parse_args(argv)
     try:
-        filter_command(args)
+        rows = read_rows(args.input)
+        # Settings and judge are checked before the model loads, so a typo fails in a second, not after a minute.
+        check_settings(args.group_size, args.min_correct, args.max_correct, args.anchors, args.batch_size)
+        judge_fn = load_judge(args.judge)
+        generate_fn = engine_generate_fn(args.model, max_new_tokens=args.max_new_tokens,
+                                         temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        kept, stats = self_filter(rows, generate_fn, judge_fn, group_size=args.group_size,
+                                  min_correct=args.min_correct, max_correct=args.max_correct, anchors=args.anchors,
+                                  batch_size=args.batch_size, seed=args.seed, render=json.dumps)
+        if not kept:
+            raise ValueError(f"no question was answered correctly between {stats['min_correct']} and "
+                             f"{stats['max_correct']} times out of {args.group_size}; nothing to write ({stats})")
+        write_rows(kept, Path(args.out))
     except (ValueError, FileNotFoundError) as error:
         raise SystemExit(f"error: {error}") from None
+    print(f"{args.out}: kept {len(kept)} of {len(rows)} rows {stats}")
 
 
 if __name__ == "__main__":

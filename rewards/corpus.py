@@ -1,5 +1,5 @@
-"""A local corpus index on infini-gram's suffix array: build it from a jsonl corpus (rewards/index_build.py),
-query co-occurrences (here).
+"""A local corpus index on infini-gram's suffix array: built from a jsonl corpus by rewards/index_build.py,
+queried for co-occurrences here.
 
     python -m rewards.corpus build --input corpus.jsonl --out DIR      # one {"text": ...} object per line
     python -m rewards.corpus count --index DIR --head "Marie Curie" --tail "Nobel Prize"
@@ -7,17 +7,10 @@ query co-occurrences (here).
 The index directory holds infini-gram's v4 files (tokenized.0, offset.0, table.0), vocab.txt (one word
 per line, id = line number) and nanogrpo-index.json (sizes, tokenizer), written last.
 Tokenisation is ours (rewards.cooccurrence.WordTokenizer, fitted on the corpus; or any encode_fn through
-the Python API); infini-gram's builder (`infini_gram.indexing.build_sa`, Rust) makes the suffix array and
-its engine finds every occurrence of a phrase; rewards.cooccurrence turns occurrences into window counts.
-
-infini-gram quirks handled here: the builder chdirs into its package (the working directory is restored),
-panics with several jobs on a tiny corpus (one CPU below 16 MiB) and ends with exit(1) on failure (turned
-into RuntimeError); the engine sorts its files by substrings of the FULL path ("tokenized", "table",
-"offset", "metadata"), so a directory whose path contains one of them segfaults it (such a directory is
-built elsewhere and moved, and opened through a neutral symlink); the engine does not check its files, so
-they are checked here before it opens them. Ids are stored in 16-bit tokens, one per id while they fit and
-two per id beyond (rewards/token_layout.py: infini-gram's 32-bit mode allocates 32 GiB), so every word of
-the corpus keeps its own id and counts exactly; only a corpus needing over a billion ids fails at build time.
+the Python API); infini-gram's engine finds every occurrence of a phrase and rewards.cooccurrence turns
+occurrences into window counts. The engine does not check its files, so they are checked here before it
+opens them, and a directory whose path holds one of the names the engine sorts its files by (see
+rewards/index_build.py) is opened through a neutral symlink.
 """
 from __future__ import annotations
 
@@ -126,21 +119,21 @@ class CorpusIndex(CooccurrenceCounter):
             if not _engine_safe(link_parent):
                 raise ValueError(f"temporary directory {link_parent} contains one of {_ENGINE_NAME_PARTS}; "
                                  "set TMPDIR elsewhere")
-        self._engine = InfiniGramEngine(index_dir=str(engine_dir), eos_token_id=0, version=4, token_dtype="u16")
+        self.engine = InfiniGramEngine(index_dir=str(engine_dir), eos_token_id=0, version=4, token_dtype="u16")
         offsets = np.fromfile(path / "offset.0", dtype=np.uint64).astype(np.int64)
         self.document_starts = offsets // (TOKEN_WIDTH * self.stride)
 
-    def _stored(self, variants: list[list[int]]) -> list[list[int]]:
+    def stored(self, variants: list[list[int]]) -> list[list[int]]:
         """The engine's token pattern of each storable variant (an id the index cannot hold never occurs)."""
         return [stored_tokens(np.asarray(ids), self.layout).tolist() for ids in variants if storable(ids, self.layout)]
 
     def _clause(self, variants: list[list[int]]) -> Clause:
-        patterns = self._stored(variants)
-        total = sum(self._engine.count(input_ids=pattern)["count"] for pattern in patterns)
+        patterns = self.stored(variants)
+        total = sum(self.engine.count(input_ids=pattern)["count"] for pattern in patterns)
         if total == 0:
             empty = np.zeros(0, dtype=np.int64)
             return Clause(empty, empty, 1.0, 0)
-        result = self._engine.find_cnf([patterns], max_clause_freq=self.max_clause_freq, max_diff_tokens=1)
+        result = self.engine.find_cnf([patterns], max_clause_freq=self.max_clause_freq, max_diff_tokens=1)
         if "error" in result:
             raise RuntimeError(f"infini-gram query on {self.path} failed: {result['error']}")
         pointers = np.asarray(result["ptrs_by_shard"][0], dtype=np.int64)
@@ -149,20 +142,6 @@ class CorpusIndex(CooccurrenceCounter):
         # the engine's subsampling factor: an integer ratio (U64 division), 1 when nothing was dropped
         scale = float(total // len(pointers)) if total > self.max_clause_freq else 1.0
         return Clause(positions, documents, scale, total)
-
-    def engine_count(self, head_words: list[str], tail_words: list[str], window: int = 1000) -> int:
-        """infini-gram's own `count_cnf` of the same query (each phrase an OR of its variants, the phrases
-        ANDed, max_diff_tokens = window in ids): what the "engine" semantics reproduces, for checks."""
-        if window < 1:
-            raise ValueError(f"the engine's max_diff_tokens must be >= 1, got window {window}")
-        cnf = [self._stored(self.tokenizer.variants(phrase)) for phrase in [*head_words, *tail_words]]
-        if not all(cnf):
-            return 0
-        result = self._engine.count_cnf(cnf, max_clause_freq=self.max_clause_freq,
-                                        max_diff_tokens=window * self.stride)
-        if "error" in result:
-            raise RuntimeError(f"infini-gram query on {self.path} failed: {result['error']}")
-        return int(result["count"])
 
 
 def main(argv: list[str] | None = None) -> None:

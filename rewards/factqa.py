@@ -114,7 +114,7 @@ def judge_answer(answer: str | None, aliases: list[str]) -> float:
 
 
 def judge(solution_str: str, ground_truth: object) -> float:
-    """The judge on a whole completion (its `<answer>` block): +2 or -1. Usable as data.self_filter's judge."""
+    """The judge on a whole completion (its `<answer>` block): +2 or -1. Usable as launch.self_filter's judge."""
     return judge_answer(extract_block(solution_str, "answer"), parse_aliases(ground_truth))
 
 

@@ -1,10 +1,12 @@
 """Building a corpus index (rewards/corpus.py opens and queries it): tokenise a jsonl corpus, store the ids in
-infini-gram's v4 files with rewards.token_layout's layout, and run infini-gram's suffix-array builder.
+infini-gram's v4 files with rewards.token_layout's layout (one or two 16-bit tokens per id, so every word of
+the corpus keeps its own id), and run infini-gram's suffix-array builder (`infini_gram.indexing.build_sa`).
 
 infini-gram quirks handled here: the builder chdirs into its package (the working directory is restored),
 panics with several jobs on a tiny corpus (one CPU below 16 MiB) and ends with exit(1) on failure (turned
-into RuntimeError); the engine sorts its files by substrings of the FULL path, so a directory whose path
-contains one of them is built elsewhere and moved.
+into RuntimeError); the engine sorts its files by substrings of the FULL path ("tokenized", "table",
+"offset", "metadata"), so a directory whose path contains one of them segfaults it and is built elsewhere
+and moved.
 """
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ import re
 from rewards.parsing import TokenBag, bag_f1, extract_block, load_ground_truth, normalize_text, token_bag, token_f1
 
 SUPPORTS, REFUTES, NOT_ENOUGH_INFO = "SUPPORTS", "REFUTES", "NOT_ENOUGH_INFO"
+LABELS = (SUPPORTS, REFUTES, NOT_ENOUGH_INFO)
 LABEL_ALIASES = {
     "SUPPORT": SUPPORTS, "SUPPORTS": SUPPORTS, "SUPPORTED": SUPPORTS,
     "REFUTE": REFUTES, "REFUTES": REFUTES, "REFUTED": REFUTES, "CONTRADICT": REFUTES, "CONTRADICTS": REFUTES,
@@ -29,22 +30,31 @@ _ITEM_NUMBER = re.compile(r"^\[\d+\]\s*")
 _ITEM_BULLET = re.compile(r"^[-*]\s+")
 
 
+def _label(text: str) -> str:
+    label = normalize_text(text).upper().replace(" ", "_")
+    return LABEL_ALIASES.get(label, label)
+
+
+_cached_label = functools.lru_cache(maxsize=4096)(_label)
+
+
 def normalize_label(text: str) -> str:
     """normalize_text, upper-case, spaces to `_`, then the alias table; an unknown label is returned as is.
 
     >>> [normalize_label(x) for x in ("supported", "Not enough info", "CONTRADICT", "nei", "maybe")]
     ['SUPPORTS', 'NOT_ENOUGH_INFO', 'REFUTES', 'NOT_ENOUGH_INFO', 'MAYBE']
     """
-    if len(text) <= 64:  # labels are few distinct short strings: cache them, never long junk
-        return _normalize_short_label(text)
-    label = normalize_text(text).upper().replace(" ", "_")
-    return LABEL_ALIASES.get(label, label)
+    # labels are few distinct short strings: cache them, never long junk
+    return _cached_label(text) if len(text) <= 64 else _label(text)
 
 
-@functools.lru_cache(maxsize=4096)
-def _normalize_short_label(text: str) -> str:
-    label = normalize_text(text).upper().replace(" ", "_")
-    return LABEL_ALIASES.get(label, label)
+def gold_label(answer: str) -> str:
+    """The ground truth's answer as one of LABELS (after the alias table); ValueError naming the field otherwise."""
+    label = normalize_label(answer)
+    if label not in LABELS:
+        raise ValueError(f"field 'answer' of the ground truth is {answer!r}; expected SUPPORTS, REFUTES or "
+                         f"NOT_ENOUGH_INFO (or an alias: {sorted(LABEL_ALIASES)})")
+    return label
 
 
 def evidence_items(block: str | None) -> list[str]:
@@ -71,16 +81,10 @@ def evidence_items(block: str | None) -> list[str]:
     return items
 
 
-@functools.lru_cache(maxsize=4096)
-def _parse_cached(ground_truth: str) -> tuple[str, tuple[TokenBag, ...]]:
-    return _parse(ground_truth)
-
-
-def _parse(ground_truth: object) -> tuple[str, tuple[TokenBag, ...]]:
-    """(answer text, gold evidence items as token bags); ValueError names a bad field."""
+def _parse(ground_truth: object) -> tuple[str, tuple[str, ...], tuple[TokenBag, ...]]:
     value = load_ground_truth(ground_truth)
     if isinstance(value, str):
-        return value, ()
+        return value, (), ()
     if not isinstance(value, dict):
         raise ValueError(f"field 'ground_truth' must be a JSON object or a plain answer, got {type(value).__name__}")
     answer_key = next((key for key in ANSWER_KEYS if key in value), None)
@@ -95,14 +99,16 @@ def _parse(ground_truth: object) -> tuple[str, tuple[TokenBag, ...]]:
     if not isinstance(evidence, list) or not all(isinstance(item, str) for item in evidence):
         raise ValueError(f"field '{evidence_key}' must be a list of strings in ground truth {value!r:.200}")
     bags = (token_bag(item) for item in evidence)
-    return value[answer_key], tuple(bag for bag in bags if bag.length)
+    return value[answer_key], tuple(evidence), tuple(bag for bag in bags if bag.length)
 
 
-def parse_ground_truth(ground_truth: object) -> tuple[str, tuple[TokenBag, ...]]:
-    """Parsed (cached for strings: the G completions of a prompt share one ground truth)."""
-    if isinstance(ground_truth, str):
-        return _parse_cached(ground_truth)
-    return _parse(ground_truth)
+_parse_cached = functools.lru_cache(maxsize=4096)(_parse)
+
+
+def parse_ground_truth(ground_truth: object) -> tuple[str, tuple[str, ...], tuple[TokenBag, ...]]:
+    """(answer text, gold evidence sentences, their token bags, empty ones left out); ValueError names a bad
+    field. Cached for strings: the G completions of a prompt share one ground truth."""
+    return _parse_cached(ground_truth) if isinstance(ground_truth, str) else _parse(ground_truth)
 
 
 def evidence_score(items: list[str], gold: tuple[TokenBag, ...]) -> float:
@@ -116,7 +122,7 @@ def evidence_score(items: list[str], gold: tuple[TokenBag, ...]) -> float:
     return total / len(items)
 
 
-def _completion_parts(solution_str: str) -> tuple[str | None, list[str], float, float]:
+def completion_parts(solution_str: str) -> tuple[str | None, list[str], float, float]:
     """(answer text or None, evidence items, format, conciseness)."""
     answer = extract_block(solution_str, "answer")
     evidence = extract_block(solution_str, "evidence")
@@ -126,12 +132,12 @@ def _completion_parts(solution_str: str) -> tuple[str | None, list[str], float, 
     return answer, items, format_score, conciseness
 
 
-def gated_score(format_score: float, gold_label: str, predicted_label: str, answer: float,
+def gated_score(format_score: float, gold: str, predicted_label: str, answer: float,
                 evidence: float, conciseness: float, items: list[str]) -> float:
     """The published SciFact gate: see scifact_evidence_reward for the branches."""
     if format_score < 1:
         return 0.0
-    if gold_label == NOT_ENOUGH_INFO:
+    if gold == NOT_ENOUGH_INFO:
         if not items:
             nei_evidence = 1.0
         elif len(items) <= NEI_SHORT_ITEMS and all(
@@ -165,16 +171,13 @@ def scifact_evidence_reward(data_source: str, solution_str: str, ground_truth: o
     >>> round(result["evidence"], 4), round(result["score"], 4)
     (0.7692, 0.8731)
     """
-    gold_text, gold = parse_ground_truth(ground_truth)
-    gold_label = normalize_label(gold_text)
-    if gold_label not in (SUPPORTS, REFUTES, NOT_ENOUGH_INFO):
-        raise ValueError(f"field 'answer' of the ground truth is {gold_text!r}; expected SUPPORTS, REFUTES or "
-                         f"NOT_ENOUGH_INFO (or an alias: {sorted(LABEL_ALIASES)})")
-    answer_text, items, format_score, conciseness = _completion_parts(solution_str)
+    gold_text, _, gold = parse_ground_truth(ground_truth)
+    label = gold_label(gold_text)
+    answer_text, items, format_score, conciseness = completion_parts(solution_str)
     predicted_label = normalize_label(answer_text.strip()) if answer_text is not None else ""
-    answer = 1.0 if predicted_label == gold_label else 0.0
+    answer = 1.0 if predicted_label == label else 0.0
     evidence = evidence_score(items, gold)
-    score = gated_score(format_score, gold_label, predicted_label, answer, evidence, conciseness, items)
+    score = gated_score(format_score, label, predicted_label, answer, evidence, conciseness, items)
     return {"score": score, "format": format_score, "answer": answer, "evidence": evidence, "conciseness": conciseness}
 
 
@@ -186,8 +189,8 @@ def evidence_qa_reward(data_source: str, solution_str: str, ground_truth: object
     >>> evidence_qa_reward("evidence_qa", "<answer>Paris</answer>", '{"answer": "Paris", "evidence": []}')["score"]
     0.525
     """
-    gold_text, gold = parse_ground_truth(ground_truth)
-    answer_text, items, format_score, conciseness = _completion_parts(solution_str)
+    gold_text, _, gold = parse_ground_truth(ground_truth)
+    answer_text, items, format_score, conciseness = completion_parts(solution_str)
     answer_f1 = token_f1(answer_text.strip(), gold_text) if answer_text is not None else 0.0
     evidence = evidence_score(items, gold)
     score = 0.45 * answer_f1 + 0.35 * evidence + 0.15 * format_score + 0.05 * conciseness

@@ -1,9 +1,8 @@
 """How token ids are stored in the corpus index's 16-bit token stream, with no cap on the number of ids.
 
 infini-gram's builder has a 32-bit token mode, but its suffix-array step allocates 2^32 eight-byte counting
-bins (32 GiB) whatever the corpus size (measured: `rust_indexing make-part --token-width 4` on a 40-byte
-file aborts with "memory allocation of 34359738368 bytes failed"). So the index stays 16-bit and ids that do
-not fit one token take two:
+bins (32 GiB) whatever the corpus size (bench/README.md, "Other one-off measurements"). So the index stays
+16-bit and ids that do not fit one token take two:
 
     "u16"    every id is one token (ids 0..MAX_SINGLE_ID); one separator token 0xFFFF per document.
     "u16x2"  every id v is the pair (1 + v // LOW_IDS, HIGH_IDS + 1 + v % LOW_IDS): the first token lies in

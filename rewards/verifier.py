@@ -2,12 +2,13 @@
 gold label (A = correct versus B/C = incorrect or no usable answer), else 0.
 
 The verifier reads a question, a reference answer and a candidate answer (prompt: templates/verifier.txt,
-rendered by verifier_prompt) and ends with `Final Judgment: \\boxed{A}`. The DAPO overlong penalty is not
+filled by verifier_prompt) and ends with `Final Judgment: \\boxed{A}`. The DAPO overlong penalty is not
 applied here: the trainer adds grpo.shaping's penalty from token lengths. Returned keys: score, correct
 (the same 0/1), parsed (1 when a judgment was found), judged_a, judged_b, judged_c (one-hot, 0 if unparsed).
 """
 from __future__ import annotations
 
+import functools
 import re
 from importlib import resources
 
@@ -26,20 +27,32 @@ _MAX_BOXED_CHARS = 200
 _PLACEHOLDER = re.compile(r"\{(question|reference|candidate)\}")
 
 
+@functools.cache
 def verifier_template() -> str:
     """The verifier prompt template shipped as package data (placeholders {question} {reference} {candidate})."""
     return resources.files("rewards").joinpath("templates/verifier.txt").read_text(encoding="utf-8")
 
 
-def verifier_prompt(question: str, reference: str, candidate: str) -> str:
-    """The template with the three fields filled in one pass (a field's text is never re-substituted)."""
+def verifier_prompt(question: str, reference: str, candidate: str, template: str | None = None) -> str:
+    """The template (default: the shipped one) with the three fields filled in one pass. A regular expression,
+    not str.format: templates hold literal braces such as `\\boxed{X}`, and one pass means a field's text that
+    happens to contain "{reference}" is never substituted again.
+
+    >>> verifier_prompt("{reference}?", "4", "four", "Q: {question} Ref: {reference} Said: {candidate} \\\\boxed{X}")
+    'Q: {reference}? Ref: 4 Said: four \\\\boxed{X}'
+    """
+    template = verifier_template() if template is None else template
+    missing = ", ".join(f"{{{name}}}" for name in ("question", "reference", "candidate")
+                        if f"{{{name}}}" not in template)
+    if missing:
+        raise ValueError(f"verifier template lacks the placeholder(s) {missing}")
     values = {"question": question, "reference": reference, "candidate": candidate}
-    return _PLACEHOLDER.sub(lambda match: values[match.group(1)], verifier_template())
+    return _PLACEHOLDER.sub(lambda match: values[match.group(1)], template)
 
 
 def last_boxed_span(text: str) -> tuple[int, int] | None:
     """(start, end) of the content of the last `\\boxed{...}` with balanced braces (at most 200 characters),
-    so text[end] is its closing brace; None when there is no such box. data.distill cuts a teacher's
+    so text[end] is its closing brace; None when there is no such box. launch.distill cuts a teacher's
     judgment line with it, so the boundary is the one the parser reads.
 
     >>> text = "so \\\\boxed{\\\\text{A}} ."
@@ -63,12 +76,6 @@ def last_boxed_span(text: str) -> tuple[int, int] | None:
     return None
 
 
-def _last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (see last_boxed_span), or None."""
-    span = last_boxed_span(text)
-    return None if span is None else text[span[0]:span[1]]
-
-
 def last_marker(text: str) -> re.Match | None:
     """The last "Final Judgment" marker (case-insensitive, "judgement" too), or None."""
     return _last_match(_FINAL_JUDGMENT, text)
@@ -89,9 +96,9 @@ def parse_judgment(text: str) -> str | None:
     >>> [parse_judgment(text) for text in texts]
     ['A', 'C', 'B', None]
     """
-    boxed = _last_boxed(text)
-    if boxed is not None:
-        cleaned = _LATEX_COMMAND.sub("", boxed).replace("{", "").replace("}", "").strip()
+    span = last_boxed_span(text)
+    if span is not None:
+        cleaned = _LATEX_COMMAND.sub("", text[span[0]:span[1]]).replace("{", "").replace("}", "").strip()
         letter = _BOXED_LETTER.match(cleaned)
         if letter is not None:
             return letter.group(1)
@@ -109,7 +116,7 @@ def parse_judgment(text: str) -> str | None:
 def gold_judgment(ground_truth: object) -> str:
     """The gold label as A/B/C from "A"/"B"/"C", "correct"/"incorrect"/"incomplete", true/false, or a JSON
     object with one of the keys label/judgment/answer/target; ValueError naming the field otherwise."""
-    value = load_ground_truth(ground_truth)
+    value = ground_truth if isinstance(ground_truth, bool) else load_ground_truth(ground_truth)
     field = "ground_truth"
     if isinstance(value, dict):
         field = next((key for key in LABEL_KEYS if key in value), None)

@@ -1,4 +1,4 @@
-"""Verifier distillation: data.distill's filters pinned on scripted teacher outputs (one per reason), the report's
+"""Verifier distillation: launch.distill's filters pinned on scripted teacher outputs (one per reason), the report's
 counts, the SFT rows it writes, and launch.distill end to end (a scripted engine through the real tokenizer, and
 the embedded SmolLM2-135M as the teacher)."""
 import json
@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from data.distill import (REASONS, DistillReport, distill_example, judge_sample, report_path, split_reasoning,
-                          write_distilled)
 from data.rows import read_rows
 from data.verifier import convert_verifier
 from launch import distill as launch_distill
+from launch.distill import REASONS, DistillReport, distill_example, judge_sample, split_reasoning, write_distilled
 from rewards.verifier import verifier_reward
 from rollout.engine import Completion
 
@@ -95,8 +94,8 @@ def test_report_counts_every_sample_once_and_rows_pass_the_filter(tmp_path):
     assert (summary["examples"], summary["examples_with_kept"], summary["kept_by_label"]) == (3, 2, {"A": 1, "B": 1,
                                                                                                      "C": 0})
     out = tmp_path / "sft.jsonl"
-    assert write_distilled(kept, out, report) == report_path(out) == tmp_path / "sft.report.json"
-    assert json.loads(report_path(out).read_text()) == summary
+    assert write_distilled(kept, out, report) == tmp_path / "sft.report.json"
+    assert json.loads((tmp_path / "sft.report.json").read_text()) == summary
     written = read_rows(out)
     assert [row["extra_info"]["target"] for row in written] == [f"Both say 144.\n\n{BOX_A}", f"8 is not 9.\n\n{BOX_B}"]
     assert [(row["extra_info"]["index"], row["extra_info"]["source_index"]) for row in written] == [(0, 0), (1, 1)]

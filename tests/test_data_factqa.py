@@ -5,7 +5,7 @@ import pytest
 
 from data import factqa
 from data.rows import read_rows
-from data.self_filter import load_judge, question_of, self_filter
+from launch.self_filter import load_judge, question_of, self_filter
 
 SHARED_COUNTS = {
     "nq_open_validation.json": 3610,

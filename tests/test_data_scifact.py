@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 from data import scifact
-from data.evidence import INSTRUCTIONS, evidence_example, evidence_target
+from data.evidence import INSTRUCTIONS, evidence_row
 from data.rows import read_rows
 
 TARGET_FORMAT = "<answer>\n{label}\n</answer>\n\n<evidence>\n{lines}</evidence>"
@@ -110,15 +110,18 @@ def test_cli_writes_every_split_or_nothing(tmp_path, shared_data, capsys):
     assert "dev.parquet: 300 rows" in capsys.readouterr().out
 
 
-def test_evidence_example_rejects_inconsistent_evidence():
+def test_evidence_row_rejects_inconsistent_evidence():
+    def row(sentences, label, indices):
+        return evidence_row("c", "t", sentences, label, indices, index=0, split="test")
+
     with pytest.raises(ValueError, match="out of range for 2 sentences"):
-        evidence_example("c", "t", ["a.", "b."], "SUPPORTS", [2])
+        row(["a.", "b."], "SUPPORTS", [2])
     with pytest.raises(ValueError, match="NOT_ENOUGH_INFO takes no evidence"):
-        evidence_example("c", "t", ["a.", "b."], "NOT_ENOUGH_INFO", [0])
+        row(["a.", "b."], "NOT_ENOUGH_INFO", [0])
     with pytest.raises(ValueError, match="REFUTES needs at least one evidence sentence"):
-        evidence_example("c", "t", ["a."], "REFUTES", [])
+        row(["a."], "REFUTES", [])
     with pytest.raises(ValueError, match="label 'SUPPORT' is not one of"):
-        evidence_target("SUPPORT", [])
+        row(["a."], "SUPPORT", [0])
 
 
 def test_targets_get_the_full_scifact_evidence_reward(converted):

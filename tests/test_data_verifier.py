@@ -7,6 +7,7 @@ import pytest
 
 from data import verifier
 from data.rows import read_rows
+from rewards.verifier import verifier_prompt
 
 FIXTURE = Path(verifier.__file__).parent / "fixtures" / "verifier_sample.jsonl"
 TEMPLATE = (
@@ -47,27 +48,33 @@ def test_rebalance_is_one_to_one_deterministic_and_order_keeping(rows):
         verifier.rebalance([row for row in rows if row["extra_info"]["correct"]])
 
 
+def convert_one(tmp_path, judgment):
+    """convert_verifier on a one-line file whose gold judgment is `judgment`."""
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"question": "q", "gold_answer": "g", "llm_response": "r", "gold_judgment": judgment}))
+    return verifier.convert_verifier(path, TEMPLATE)
+
+
 @pytest.mark.parametrize("value, letter", [("A", "A"), (" c ", "C"), ("b", "B"), (True, "A"), (False, "B"), ("FALSE", "B"), ("true", "A")])
-def test_parse_judgment(value, letter):
-    assert verifier.parse_judgment(value, "here") == letter
+def test_parse_judgment(tmp_path, value, letter):
+    assert convert_one(tmp_path, value)[0]["reward_model"]["ground_truth"] == letter
 
 
 @pytest.mark.parametrize("value", ["D", "", 1, None, "yes"])
-def test_parse_judgment_rejects(value):
-    with pytest.raises(ValueError, match="here: field 'gold_judgment' is"):
-        verifier.parse_judgment(value, "here")
+def test_parse_judgment_rejects(tmp_path, value):
+    with pytest.raises(ValueError, match=":1: field 'gold_judgment' is"):
+        convert_one(tmp_path, value)
 
 
 def test_template_filling_is_literal():
-    assert verifier.verifier_prompt(TEMPLATE, "What is {reference}?", "x", "{question}").startswith(
+    assert verifier_prompt("What is {reference}?", "x", "{question}", TEMPLATE).startswith(
         "Question: What is {reference}?\nReference answer: x\nCandidate answer: {question}\n")
     with pytest.raises(ValueError, match=r"lacks the placeholder\(s\) \{candidate\}"):
-        verifier.verifier_prompt("{question} {reference}", "q", "g", "r")
+        verifier_prompt("q", "g", "r", "{question} {reference}")
 
 
 def test_default_template_is_the_rewards_one_and_targets_score_full_reward():
     from rewards import compute_score
-    from rewards.verifier import verifier_prompt
 
     rows = verifier.convert_verifier(FIXTURE)
     record = json.loads(FIXTURE.read_text().splitlines()[1])

@@ -1,9 +1,9 @@
-"""Evaluation metrics (data/metrics.py) on hand-made completions, with the expected numbers derived by hand."""
+"""Evaluation metrics (data/eval_metrics.py) on hand-made completions, with the expected numbers derived by hand."""
 import json
 
 import pytest
 
-from data.metrics import (factqa_example, factqa_metrics, prefix_label, scifact_example, scifact_metrics,
+from data.eval_metrics import (factqa_example, factqa_metrics, prefix_label, scifact_example, scifact_metrics,
                           score_example, summarize, verifier_example, verifier_metrics)
 
 

@@ -5,23 +5,22 @@ A record (one evaluated row): `{"data_source", "completion", "ground_truth", "ex
 "completion_tokens" (optional), "finish_reason" (optional), "reward" (optional)}`. `score_example(record)`
 gives its per-example fields (what launch.eval writes to predictions.jsonl); `summarize(scored records)`
 aggregates them per data source. A rate whose denominator is empty is 0.0 (as in the official SciFact
-scorer's safe division), so every metric is a number.
-
-Parsing reuses the rewards' own parsers, so evaluation reads a completion exactly as training rewards it.
+scorer's safe division), so every metric is a number. Completions and ground truths are read by the rewards'
+own parsers, so evaluation reads a completion exactly as training rewards it.
 """
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Iterable
 
 from rewards.factqa import judge_answer, normalize_answer, parse_aliases
-from rewards.parsing import extract_block, load_ground_truth, normalize_text, think_answer_format
-from rewards.scifact import (ANSWER_KEYS, EVIDENCE_CAP_BELOW, EVIDENCE_KEYS, NOT_ENOUGH_INFO, REFUTES, SUPPORTS,
-                             evidence_items, evidence_score, normalize_label, parse_ground_truth)
+from rewards.parsing import extract_block, normalize_text, think_answer_format
+from rewards.scifact import (EVIDENCE_CAP_BELOW, LABELS, NOT_ENOUGH_INFO, REFUTES, SUPPORTS, completion_parts,
+                             evidence_score, gold_label, normalize_label, parse_ground_truth)
 from rewards.verifier import gold_judgment, parse_judgment
 
 SCIFACT, FACTQA, VERIFIER = "scifact_evidence", "factqa_corpus", "verifier"
-LABELS = (SUPPORTS, REFUTES, NOT_ENOUGH_INFO)
 # Prefix-constrained label: after optional reasoning closed by </think>, the reply must START with the label,
 # optionally behind an <answer> tag, markdown marks or "Answer:"/"Label:"/"Verdict:" (aliases as in the reward).
 _PREFIX_LABEL = re.compile(
@@ -33,27 +32,6 @@ _PREFIX_CHARS = 200  # the label must come within the reply's first characters (
 
 def _rate(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator else 0.0
-
-
-def scifact_gold(ground_truth: object) -> tuple[str, list[str]]:
-    """(gold label, gold evidence sentences) from `{"answer": LABEL, "evidence": [...]}` (or the reward's
-    other key names); ValueError naming the field when the label is missing or not one of the three."""
-    value = load_ground_truth(ground_truth)
-    if isinstance(value, str):
-        value = {"answer": value}
-    if not isinstance(value, dict):
-        raise ValueError(f"scifact ground truth must be a JSON object, got {ground_truth!r:.200}")
-    answer_key = next((key for key in ANSWER_KEYS if key in value), "answer")
-    label = normalize_label(value[answer_key]) if isinstance(value.get(answer_key), str) else None
-    if label not in LABELS:
-        raise ValueError(f"field {answer_key!r} of the scifact ground truth must be one of {LABELS}, "
-                         f"got {value.get(answer_key)!r:.100}")
-    evidence_key = next((key for key in EVIDENCE_KEYS if key in value), None)
-    evidence = value.get(evidence_key) if evidence_key else None
-    evidence = [evidence] if isinstance(evidence, str) else (evidence or [])
-    if not isinstance(evidence, list) or not all(isinstance(item, str) for item in evidence):
-        raise ValueError(f"field {evidence_key!r} of the scifact ground truth must be a list of strings")
-    return label, evidence
 
 
 def prefix_label(text: str) -> str | None:
@@ -78,30 +56,14 @@ def prefix_label(text: str) -> str | None:
     return NOT_ENOUGH_INFO if word.lower().startswith("not") else normalize_label(word)
 
 
-def _exact_matches(items: list[str], gold_evidence: list[str]) -> int:
-    """Predicted items equal to a gold sentence after normalize_text, each gold sentence matched at most once."""
-    remaining: dict[str, int] = {}
-    for sentence in gold_evidence:
-        key = normalize_text(sentence)
-        remaining[key] = remaining.get(key, 0) + 1
-    matched = 0
-    for item in items:
-        key = normalize_text(item)
-        if remaining.get(key, 0) > 0:
-            remaining[key] -= 1
-            matched += 1
-    return matched
-
-
 def scifact_example(completion: str, ground_truth: object, *, relaxed: bool = False) -> dict:
-    """Per-example SciFact fields. The label (strict) is the `<answer>` block's content when it is one of the
-    three labels after the reward's alias table, else None; relaxed: that label when valid, else
-    prefix_label of the completion. prefix_label is also always recorded (the diagnostic column). Evidence is
-    the strict parse of the `<evidence>` block (the reward's evidence_items): evidence_f1 is the reward's own
-    evidence component (mean over predicted items of the best token F1 against a gold sentence, 0 when either
-    side is empty); evidence_matched counts exact matches (normalize_text equal, each gold sentence once).
-    unsupported: a SUPPORTS/REFUTES label whose evidence_f1 is below the reward's cap threshold (0.2), the
-    point below which the reward treats a decisive answer as ungrounded (no evidence at all included).
+    """Per-example SciFact fields. The label (strict) is the `<answer>` block's when it is one of the three
+    after the reward's alias table, else None; relaxed: then prefix_label, which is always recorded too (the
+    diagnostic column). evidence_f1 is the reward's own evidence component (mean over the `<evidence>` block's
+    items of the best token F1 against a gold sentence, 0 when either side is empty); evidence_matched counts
+    exact matches (normalize_text equal, each gold sentence once). unsupported: a SUPPORTS/REFUTES label whose
+    evidence_f1 is below the reward's cap threshold (0.2), where the reward treats a decisive answer as
+    ungrounded.
 
     >>> gold = '{"answer": "SUPPORTS", "evidence": ["The sky is blue today."]}'
     >>> text = "<answer>\\nSUPPORTS\\n</answer>\\n<evidence>\\n[1] the sky is BLUE\\n</evidence>"
@@ -109,26 +71,26 @@ def scifact_example(completion: str, ground_truth: object, *, relaxed: bool = Fa
     >>> fields["correct"], fields["format_ok"], fields["evidence_matched"], round(fields["evidence_f1"], 4)
     (True, True, 0, 0.8889)
     """
-    gold_label, gold_evidence = scifact_gold(ground_truth)
-    answer = extract_block(completion, "answer")
-    evidence_block = extract_block(completion, "evidence")
+    gold_text, gold_evidence, gold_bags = parse_ground_truth(ground_truth)
+    gold = gold_label(gold_text)
+    answer, items, format_score, _ = completion_parts(completion)
     block_label = normalize_label(answer.strip()) if answer is not None else None
     label = block_label if block_label in LABELS else None
     start_label = prefix_label(completion)
     if relaxed and label is None:
         label = start_label
-    items = evidence_items(evidence_block)
-    evidence_f1 = evidence_score(items, parse_ground_truth(ground_truth)[1])
+    evidence_f1 = evidence_score(items, gold_bags)
+    matched = Counter(map(normalize_text, items)) & Counter(map(normalize_text, gold_evidence))
     return {
         "predicted_label": label,
-        "gold_label": gold_label,
-        "correct": label == gold_label,
+        "gold_label": gold,
+        "correct": label == gold,
         "prefix_label": start_label,
-        "format_ok": evidence_block is not None and block_label in LABELS,
+        "format_ok": format_score == 1 and block_label in LABELS,
         "evidence_f1": evidence_f1,
         "evidence_predicted": len(items),
         "evidence_gold": len(gold_evidence),
-        "evidence_matched": _exact_matches(items, gold_evidence),
+        "evidence_matched": sum(matched.values()),
         "unsupported": label in (SUPPORTS, REFUTES) and evidence_f1 < EVIDENCE_CAP_BELOW,
     }
 
