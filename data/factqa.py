@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from data.jsonio import read_records, require
+from data.jsonio import exit_on_bad_input, read_records, require
 from data.rows import make_row, write_rows
 
 DATA_SOURCE = "factqa_corpus"
@@ -45,22 +45,13 @@ def factqa_row(question: str, aliases: list[str], *, index: int, split: str, dat
     cleaned = _aliases(aliases)
     if not cleaned:
         raise ValueError(f"question {question!r:.80} has no non-empty answer alias")
-    return make_row(
-        [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": " ".join(question.split())}],
-        data_source=DATA_SOURCE,
-        ability=ABILITY,
-        ground_truth=";".join(cleaned),
-        index=index,
-        split=split,
-        dataset=dataset,
-        answer=cleaned[0],
-        **extra_info,
-    )
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": " ".join(question.split())}]
+    return make_row(messages, data_source=DATA_SOURCE, ability=ABILITY, ground_truth=";".join(cleaned), index=index,
+                    split=split, dataset=dataset, answer=cleaned[0], **extra_info)
 
 
-def convert_factqa(
-    path: str | Path, *, split: str = "train", dataset: str | None = None, start_index: int = 0
-) -> list[dict]:
+def convert_factqa(path: str | Path, *, split: str = "train", dataset: str | None = None,
+                   start_index: int = 0) -> list[dict]:
     """Rows from a `.json` array or `.jsonl` file of `{question, answer, aliases}` or `{question, answers, title}`.
 
     The first form is NQ-Open/PopQA/SimpleQA/TruthfulQA (the answer leads the aliases); the second is the
@@ -93,14 +84,7 @@ def convert_factqa(
     return rows
 
 
-def _convert_command(args: argparse.Namespace) -> None:
-    rows: list[dict] = []
-    for path in args.input:  # every input is read and checked before anything is written
-        rows += convert_factqa(path, split=args.split, start_index=len(rows))[: args.limit]
-    write_rows(rows, Path(args.out))
-    print(f"{args.out}: {len(rows)} rows")
-
-
+@exit_on_bad_input
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m data.factqa", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -110,10 +94,11 @@ def main(argv: list[str] | None = None) -> None:
     convert.add_argument("--split", default="train")
     convert.add_argument("--limit", type=int, default=None, help="keep the first N rows of each input")
     args = parser.parse_args(argv)
-    try:
-        _convert_command(args)
-    except (ValueError, FileNotFoundError) as error:
-        raise SystemExit(f"error: {error}") from None
+    rows: list[dict] = []
+    for path in args.input:  # every input is read and checked before anything is written
+        rows += convert_factqa(path, split=args.split, start_index=len(rows))[: args.limit]
+    write_rows(rows, Path(args.out))
+    print(f"{args.out}: {len(rows)} rows")
 
 
 if __name__ == "__main__":

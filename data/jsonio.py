@@ -6,14 +6,17 @@ Converters read whole inputs through these functions before writing anything, an
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
+import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 # Far above any prompt a model in this project can take (~1M tokens of text); a longer line is almost
 # certainly a corrupt or wrong file, and reading it whole would only delay the error.
 MAX_LINE_BYTES = 4 * 1024 * 1024
+_SPACE = re.compile(r"[ \t\r\n]*")  # JSON's whitespace
 
 
 def _excerpt(text: str, limit: int = 60) -> str:
@@ -22,7 +25,14 @@ def _excerpt(text: str, limit: int = 60) -> str:
     return repr(text[:limit] + ("..." if len(text) > limit else ""))
 
 
-def _check_file(path: Path) -> None:
+def describe(value: Any) -> str:
+    """A value's type and the start of its repr, for an error message: `int 4`, `str 'abc'`."""
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+
+
+def check_file(path: Path) -> None:
+    """FileNotFoundError or ValueError naming the path unless it is a non-empty regular file."""
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file")
     if not path.is_file():
@@ -38,10 +48,8 @@ def _decode(raw: bytes, path: Path, line_number: int) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise ValueError(
-            f"{path}:{line_number}: not UTF-8 text (byte {error.start} of the line is {raw[error.start]:#04x}); "
-            "is this a binary file?"
-        ) from None
+        raise ValueError(f"{path}:{line_number}: not UTF-8 text (byte {error.start} of the line is "
+                         f"{raw[error.start]:#04x}); is this a binary file?") from None
 
 
 def iter_jsonl(path: str | Path, *, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, dict]]:
@@ -51,15 +59,13 @@ def iter_jsonl(path: str | Path, *, max_line_bytes: int = MAX_LINE_BYTES) -> Ite
     binary junk, a line over `max_line_bytes`, invalid JSON, or a line that is not a JSON object.
     """
     path = Path(path)
-    _check_file(path)
+    check_file(path)
     seen_any = False
     with open(path, "rb") as handle:
         for line_number, raw in enumerate(handle, start=1):
             if len(raw) > max_line_bytes:
-                raise ValueError(
-                    f"{path}:{line_number}: line is {len(raw):,} bytes, over the limit of {max_line_bytes:,} "
-                    "(corrupt file, or not JSONL?)"
-                )
+                raise ValueError(f"{path}:{line_number}: line is {len(raw):,} bytes, over the limit of "
+                                 f"{max_line_bytes:,} (corrupt file, or not JSONL?)")
             text = _decode(raw, path, line_number)
             if line_number == 1:
                 text = text.removeprefix("\ufeff")  # a UTF-8 byte-order mark, as some Windows editors write
@@ -68,9 +74,8 @@ def iter_jsonl(path: str | Path, *, max_line_bytes: int = MAX_LINE_BYTES) -> Ite
             try:
                 record = json.loads(text)
             except json.JSONDecodeError as error:
-                raise ValueError(
-                    f"{path}:{line_number}: invalid JSON ({error.msg} at column {error.colno}): {_excerpt(text)}"
-                ) from None
+                raise ValueError(f"{path}:{line_number}: invalid JSON ({error.msg} at column {error.colno}): "
+                                 f"{_excerpt(text)}") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{line_number}: expected a JSON object, got {type(record).__name__}")
             seen_any = True
@@ -86,39 +91,34 @@ def read_json_array(path: str | Path) -> list[tuple[int, dict]]:
     so a bad record in a 14,000-element file is reported by its line, not by a position in a list.
     """
     path = Path(path)
-    _check_file(path)
+    check_file(path)
     raw = path.read_bytes()
     # Report binary junk by line, like iter_jsonl.
     for line_number, raw_line in enumerate(raw.split(b"\n"), start=1):
         _decode(raw_line, path, line_number)
     text = raw.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark is not JSON, but is common
     decoder = json.JSONDecoder()
-
-    counted = {"position": 0, "line": 1}
+    line, counted = 1, 0
 
     def line_of(position: int) -> int:
         # Counted on from the previous call (positions only grow): counting from 0 each time is quadratic.
-        if position < counted["position"]:
-            return text.count("\n", 0, position) + 1
-        counted["line"] += text.count("\n", counted["position"], position)
-        counted["position"] = position
-        return counted["line"]
+        nonlocal line, counted
+        line += text.count("\n", counted, position)
+        counted = position
+        return line
 
     def skip_space(position: int) -> int:
-        while position < len(text) and text[position] in " \t\r\n":
-            position += 1
-        return position
+        return _SPACE.match(text, position).end()
 
     position = skip_space(0)
     if position == len(text):
         raise ValueError(f"{path}: the file is empty (only whitespace)")
     if text[position] != "[":
-        raise ValueError(
-            f"{path}:{line_of(position)}: expected a JSON array starting with '[', got {_excerpt(text[position:])}"
-        )
+        raise ValueError(f"{path}:{line_of(position)}: expected a JSON array starting with '[', got "
+                         f"{_excerpt(text[position:])}")
     records: list[tuple[int, dict]] = []
     position = skip_space(position + 1)
-    if position < len(text) and text[position] == "]":
+    if text.startswith("]", position):
         raise ValueError(f"{path}: the JSON array is empty")
     while True:
         start = position
@@ -130,12 +130,11 @@ def read_json_array(path: str | Path) -> list[tuple[int, dict]]:
             raise ValueError(f"{path}:{line_of(start)}: expected a JSON object, got {type(element).__name__}")
         records.append((line_of(start), element))
         position = skip_space(position)
-        if position < len(text) and text[position] == ",":
-            position = skip_space(position + 1)
-            continue
-        if position < len(text) and text[position] == "]":
+        if text.startswith("]", position):
             break
-        raise ValueError(f"{path}:{line_of(position)}: expected ',' or ']' after an array element")
+        if not text.startswith(",", position):
+            raise ValueError(f"{path}:{line_of(position)}: expected ',' or ']' after an array element")
+        position = skip_space(position + 1)
     if skip_space(position + 1) != len(text):
         raise ValueError(f"{path}:{line_of(position + 1)}: extra data after the JSON array")
     return records
@@ -154,20 +153,12 @@ def require(record: dict, key: str, expected: type | tuple[type, ...], where: st
     if key not in record:
         raise ValueError(f"{where}: missing field {key!r}")
     value = record[key]
-    # bool is a subclass of int: a true/false where a number belongs is an error, not 1/0.
-    if isinstance(value, bool) and bool not in (expected if isinstance(expected, tuple) else (expected,)):
-        raise ValueError(f"{where}: field {key!r} must be {_type_names(expected)}, got bool {value!r}")
-    if not isinstance(value, expected):
-        raise ValueError(
-            f"{where}: field {key!r} must be {_type_names(expected)}, "
-            f"got {type(value).__name__} {_excerpt(repr(value))}"
-        )
-    return value
-
-
-def _type_names(expected: type | tuple[type, ...]) -> str:
     types = expected if isinstance(expected, tuple) else (expected,)
-    return " or ".join(t.__name__ for t in types)
+    # bool is a subclass of int: a true/false where a number belongs is an error, not 1/0.
+    if not isinstance(value, types) or isinstance(value, bool) and bool not in types:
+        raise ValueError(f"{where}: field {key!r} must be {' or '.join(t.__name__ for t in types)}, "
+                         f"got {describe(value)}")
+    return value
 
 
 @contextlib.contextmanager
@@ -190,3 +181,15 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     """Write `text` (UTF-8) to `path` so that readers see either the old file or the whole new one."""
     with atomic_path(path) as temporary:
         temporary.write_text(text, encoding="utf-8")
+
+
+def exit_on_bad_input(main: Callable[[list[str] | None], None]) -> Callable[[list[str] | None], None]:
+    """For a data command's main(argv): bad input, a ValueError or FileNotFoundError whose message names the
+    file, line and field, ends the command with `error: MESSAGE` (exit status 1) instead of a traceback."""
+    @functools.wraps(main)
+    def checked(argv: list[str] | None = None) -> None:
+        try:
+            main(argv)
+        except (ValueError, FileNotFoundError) as error:
+            raise SystemExit(f"error: {error}") from None
+    return checked

@@ -11,36 +11,26 @@ import json
 from pathlib import Path
 from typing import Any
 
-from data.jsonio import atomic_path, atomic_write_text, iter_jsonl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from data.jsonio import atomic_path, atomic_write_text, check_file, describe, iter_jsonl
 
 ROLES = ("system", "user", "assistant", "tool")
 # The column order written to Parquet; any other columns of a user's rows follow in their own order.
 COLUMNS = ("prompt", "data_source", "ability", "reward_model", "extra_info")
 
 
-def make_row(
-    messages: list[dict[str, str]],
-    *,
-    data_source: str,
-    ability: str,
-    ground_truth: str,
-    index: int,
-    split: str,
-    **extra_info: Any,
-) -> dict:
+def make_row(messages: list[dict[str, str]], *, data_source: str, ability: str, ground_truth: str, index: int,
+             split: str, **extra_info: Any) -> dict:
     """One row in the project's layout; keyword arguments beyond the named ones go to `extra_info`.
 
     >>> make_row([{"role": "user", "content": "2+2?"}], data_source="math", ability="arithmetic",
     ...          ground_truth="4", index=0, split="train", target="4")["extra_info"]
     {'index': 0, 'split': 'train', 'target': '4'}
     """
-    row = {
-        "prompt": [dict(message) for message in messages],
-        "data_source": data_source,
-        "ability": ability,
-        "reward_model": {"ground_truth": ground_truth},
-        "extra_info": {"index": index, "split": split, **extra_info},
-    }
+    row = {"prompt": [dict(message) for message in messages], "data_source": data_source, "ability": ability,
+           "reward_model": {"ground_truth": ground_truth}, "extra_info": {"index": index, "split": split, **extra_info}}
     validate_row(row, "make_row")
     return row
 
@@ -49,52 +39,44 @@ def validate_row(row: Any, where: str) -> None:
     """Raise ValueError naming `where` (file:line or file row N) and the field when `row` is malformed."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: a row must be an object, got {type(row).__name__}")
-    prompt = row.get("prompt")
     if "prompt" not in row:
         raise ValueError(f"{where}: missing field 'prompt'")
+    prompt = row["prompt"]
     if not isinstance(prompt, list) or not prompt:
-        raise ValueError(f"{where}: field 'prompt' must be a non-empty list of messages, got {_describe(prompt)}")
+        raise ValueError(f"{where}: field 'prompt' must be a non-empty list of messages, got {describe(prompt)}")
     for position, message in enumerate(prompt):
         field = f"prompt[{position}]"
         if not isinstance(message, dict):
-            raise ValueError(
-                f"{where}: field {field} must be an object with 'role' and 'content', got {_describe(message)}"
-            )
+            raise ValueError(f"{where}: field {field} must be an object with 'role' and 'content', "
+                             f"got {describe(message)}")
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
-                raise ValueError(f"{where}: field {field}.{key} must be a string, got {_describe(message.get(key))}")
+                raise ValueError(f"{where}: field {field}.{key} must be a string, got {describe(message.get(key))}")
         if message["role"] not in ROLES:
             raise ValueError(f"{where}: field {field}.role is {message['role']!r}; expected one of {ROLES}")
     for key in ("data_source", "ability"):
         if key == "ability" and key not in row:
             continue  # verl rows always carry it, but nothing in this project needs it
         if not isinstance(row.get(key), str) or not row[key]:
-            raise ValueError(f"{where}: field {key!r} must be a non-empty string, got {_describe(row.get(key))}")
+            raise ValueError(f"{where}: field {key!r} must be a non-empty string, got {describe(row.get(key))}")
     reward_model = row.get("reward_model")
     if not isinstance(reward_model, dict):
-        raise ValueError(
-            f"{where}: field 'reward_model' must be an object with 'ground_truth', got {_describe(reward_model)}"
-        )
+        raise ValueError(f"{where}: field 'reward_model' must be an object with 'ground_truth', "
+                         f"got {describe(reward_model)}")
     if not isinstance(reward_model.get("ground_truth"), str):
-        raise ValueError(
-            f"{where}: field 'reward_model.ground_truth' must be a string (JSON text or plain), "
-            f"got {_describe(reward_model.get('ground_truth'))}"
-        )
+        raise ValueError(f"{where}: field 'reward_model.ground_truth' must be a string (JSON text or plain), "
+                         f"got {describe(reward_model.get('ground_truth'))}")
     extra_info = row.get("extra_info")
-    if extra_info is not None and not isinstance(extra_info, dict):
-        raise ValueError(f"{where}: field 'extra_info' must be an object, got {_describe(extra_info)}")
-    if isinstance(extra_info, dict):
-        index = extra_info.get("index", 0)
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise ValueError(f"{where}: field 'extra_info.index' must be an integer, got {_describe(index)}")
-        target = extra_info.get("target")
-        if target is not None and not isinstance(target, str):
-            raise ValueError(f"{where}: field 'extra_info.target' must be a string, got {_describe(target)}")
-
-
-def _describe(value: Any) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+    if extra_info is None:
+        return
+    if not isinstance(extra_info, dict):
+        raise ValueError(f"{where}: field 'extra_info' must be an object, got {describe(extra_info)}")
+    index = extra_info.get("index", 0)
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise ValueError(f"{where}: field 'extra_info.index' must be an integer, got {describe(index)}")
+    target = extra_info.get("target")
+    if target is not None and not isinstance(target, str):
+        raise ValueError(f"{where}: field 'extra_info.target' must be a string, got {describe(target)}")
 
 
 def _format_of(path: Path) -> str:
@@ -109,31 +91,19 @@ def read_rows(path: str | Path) -> list[dict]:
     """All rows of a `.jsonl` or `.parquet` file, each validated; errors name the file and line (or row)."""
     path = Path(path)
     if _format_of(path) == "jsonl":
-        rows = []
-        for line_number, row in iter_jsonl(path):
-            validate_row(row, f"{path}:{line_number}")
-            rows.append(row)
-        return rows
-    return _read_parquet(path)
-
-
-def _read_parquet(path: Path) -> list[dict]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such file")
-    if path.stat().st_size == 0:
-        raise ValueError(f"{path}: the file is empty")
-    try:
-        rows = pq.read_table(path).to_pylist()
-    except (pa.ArrowException, OSError) as error:
-        raise ValueError(f"{path}: not a readable Parquet file ({error})") from None
-    if not rows:
-        raise ValueError(f"{path}: the file has no rows")
-    for number, row in enumerate(rows, start=1):
-        validate_row(row, f"{path} row {number}")
-    return rows
+        numbered = [(f"{path}:{line_number}", row) for line_number, row in iter_jsonl(path)]
+    else:
+        check_file(path)
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except (pa.ArrowException, OSError) as error:
+            raise ValueError(f"{path}: not a readable Parquet file ({error})") from None
+        if not rows:
+            raise ValueError(f"{path}: the file has no rows")
+        numbered = [(f"{path} row {number}", row) for number, row in enumerate(rows, start=1)]
+    for where, row in numbered:
+        validate_row(row, where)
+    return [row for _, row in numbered]
 
 
 def write_rows(rows: list[dict], path: str | Path) -> None:
@@ -150,23 +120,13 @@ def write_rows(rows: list[dict], path: str | Path) -> None:
         validate_row(row, f"row {number} to be written to {path}")
     if file_format == "jsonl":
         atomic_write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-    else:
-        _write_parquet(rows, path)
-
-
-def _write_parquet(rows: list[dict], path: Path) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+        return
     names = [name for name in COLUMNS if any(name in row for row in rows)]
     names += sorted({name for row in rows for name in row} - set(COLUMNS))
     try:
         # pa.array infers one struct type over ALL rows (from_pylist would too, but the order is ours).
         table = pa.Table.from_struct_array(pa.array([{name: row.get(name) for name in names} for row in rows]))
+        with atomic_path(path) as temporary:
+            pq.write_table(table, temporary)
     except pa.ArrowException as error:
         raise ValueError(f"{path}: rows cannot be stored as Parquet columns ({error})") from None
-    with atomic_path(path) as temporary:
-        try:
-            pq.write_table(table, temporary)
-        except pa.ArrowException as error:
-            raise ValueError(f"{path}: rows cannot be stored as Parquet columns ({error})") from None

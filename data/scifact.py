@@ -11,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 from data.evidence import evidence_row
-from data.jsonio import iter_jsonl, require
+from data.jsonio import exit_on_bad_input, iter_jsonl, require
 from data.rows import write_rows
 
 LABEL_NAMES = {"SUPPORT": "SUPPORTS", "CONTRADICT": "REFUTES"}
@@ -49,24 +49,18 @@ def _choose_evidence(record: dict, where: str) -> tuple[int, str, list[int]]:
     except ValueError:
         raise ValueError(f"{where}: claim id {claim_id}: evidence key {doc_key!r} is not a document id") from None
     if not isinstance(rationales, list) or not rationales or not isinstance(rationales[0], dict):
-        raise ValueError(
-            f"{where}: claim id {claim_id}: field 'evidence.{doc_key}' must be a non-empty list of rationales"
-        )
+        raise ValueError(f"{where}: claim id {claim_id}: field 'evidence.{doc_key}' must be a non-empty list of "
+                         "rationales")
     rationale = rationales[0]
     label = rationale.get("label")
     if label not in LABEL_NAMES:
-        raise ValueError(
-            f"{where}: claim id {claim_id}: field 'evidence.{doc_key}[0].label' is {label!r}; "
-            "expected SUPPORT or CONTRADICT"
-        )
+        raise ValueError(f"{where}: claim id {claim_id}: field 'evidence.{doc_key}[0].label' is {label!r}; "
+                         "expected SUPPORT or CONTRADICT")
     sentences = rationale.get("sentences")
     if not isinstance(sentences, list) or not sentences or not all(
-        isinstance(index, int) and not isinstance(index, bool) for index in sentences
-    ):
-        raise ValueError(
-            f"{where}: claim id {claim_id}: field 'evidence.{doc_key}[0].sentences' "
-            "must be a non-empty list of integers"
-        )
+            isinstance(index, int) and not isinstance(index, bool) for index in sentences):
+        raise ValueError(f"{where}: claim id {claim_id}: field 'evidence.{doc_key}[0].sentences' must be a "
+                         "non-empty list of integers")
     return doc_id, LABEL_NAMES[label], sentences
 
 
@@ -75,10 +69,9 @@ def convert_claims(claims_path: str | Path, corpus: dict[int, dict], split: str)
     claims_path = Path(claims_path)
     records = list(iter_jsonl(claims_path))
     if all("evidence" not in record for _, record in records):
-        raise ValueError(
-            f"{claims_path}: these claims have no 'evidence' labels (the official SciFact test split hides them), "
-            "so they cannot be used for training or evaluation; use claims_train.jsonl and claims_dev.jsonl"
-        )
+        raise ValueError(f"{claims_path}: these claims have no 'evidence' labels (the official SciFact test split "
+                         "hides them), so they cannot be used for training or evaluation; use claims_train.jsonl and "
+                         "claims_dev.jsonl")
     rows: list[dict] = []
     first_line: dict[int, int] = {}
     for line_number, record in records:
@@ -94,16 +87,10 @@ def convert_claims(claims_path: str | Path, corpus: dict[int, dict], split: str)
         document = corpus[doc_id]
         for index in indices:
             if not 0 <= index < len(document["abstract"]):
-                raise ValueError(
-                    f"{where}: claim id {claim_id}: evidence sentence index {index} is out of range for doc_id "
-                    f"{doc_id}, whose abstract has {len(document['abstract'])} sentences"
-                )
-        rows.append(
-            evidence_row(
-                claim, document["title"], document["abstract"], label, indices,
-                index=len(rows), split=split, claim_id=claim_id, doc_id=doc_id,
-            )
-        )
+                raise ValueError(f"{where}: claim id {claim_id}: evidence sentence index {index} is out of range for "
+                                 f"doc_id {doc_id}, whose abstract has {len(document['abstract'])} sentences")
+        rows.append(evidence_row(claim, document["title"], document["abstract"], label, indices, index=len(rows),
+                                 split=split, claim_id=claim_id, doc_id=doc_id))
     return rows
 
 
@@ -114,6 +101,7 @@ def convert_directory(input_dir: str | Path, splits: tuple[str, ...] = DEFAULT_S
     return {split: convert_claims(input_dir / f"claims_{split}.jsonl", corpus, split) for split in splits}
 
 
+@exit_on_bad_input
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m data.scifact", description=__doc__.splitlines()[0])
     parser.add_argument("--input", required=True, help="folder with corpus.jsonl and claims_<split>.jsonl")
@@ -121,10 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--splits", nargs="+", default=list(DEFAULT_SPLITS), help="default: train dev")
     parser.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl")
     args = parser.parse_args(argv)
-    try:
-        converted = convert_directory(args.input, tuple(args.splits))
-    except (ValueError, FileNotFoundError) as error:
-        raise SystemExit(f"error: {error}") from None
+    converted = convert_directory(args.input, tuple(args.splits))
     for split, rows in converted.items():
         path = Path(args.out) / f"{split}.{args.format}"
         write_rows(rows, path)

@@ -15,33 +15,27 @@ import random
 from pathlib import Path
 
 from data.evidence import LABELS, evidence_row
+from data.jsonio import exit_on_bad_input
 from data.rows import write_rows
 
-FIRST_SYLLABLES = (
-    "Zor", "Quen", "Brim", "Tal", "Vex", "Mor", "Kel", "Dra", "Pel", "Sor", "Ulm", "Fen", "Gar", "Hol", "Nix", "Yar",
-)
+FIRST_SYLLABLES = ("Zor", "Quen", "Brim", "Tal", "Vex", "Mor", "Kel", "Dra", "Pel", "Sor", "Ulm", "Fen", "Gar", "Hol",
+                   "Nix", "Yar")
 SECOND_SYLLABLES = ("vex", "ta", "well", "dor", "rin", "bek", "sto", "mar", "lin", "quay", "dith", "ora")
 KINDS = ("Labs", "Foods", "Works", "Motors", "Textiles", "Mills", "Systems", "Studios")
 CITIES = ("Tarnow", "Elsbridge", "Quarrow", "Mistvale", "Oldhaven", "Brackley", "Dunmore", "Fairmoss", "Corvale")
-PRODUCTS = (
-    "glass lenses", "wool blankets", "solar kettles", "paper kites", "brass bells", "clay bricks", "rope ladders",
-    "tin whistles",
-)
+PRODUCTS = ("glass lenses", "wool blankets", "solar kettles", "paper kites", "brass bells", "clay bricks",
+            "rope ladders", "tin whistles")
 PEOPLE = ("Mara Voss", "Tomas Kell", "Ines Darrow", "Olek Brand", "Lena Ferris", "Paul Ostrin", "Rhea Malden")
 COLOURS = ("red", "blue", "green", "yellow", "purple", "orange", "black", "white")
 
 # attribute: (context sentence, claim, value pool). Sentences run ~7-9 words; claims paraphrase them so the
 # model has to match meaning rather than copy a string, while the evidence it copies is the context sentence.
 ATTRIBUTES = {
-    "founded": (
-        "{entity} was founded in the year {value}.", "{entity} was founded in {value}.",
-        [str(year) for year in range(1950, 2021)],
-    ),
+    "founded": ("{entity} was founded in the year {value}.", "{entity} was founded in {value}.",
+                [str(year) for year in range(1950, 2021)]),
     "city": ("The head office of {entity} is in {value}.", "{entity} is based in {value}.", CITIES),
-    "staff": (
-        "{entity} employs about {value} people in total.", "{entity} has about {value} employees.",
-        [str(n) for n in range(50, 1000, 10)],
-    ),
+    "staff": ("{entity} employs about {value} people in total.", "{entity} has about {value} employees.",
+              [str(n) for n in range(50, 1000, 10)]),
     "product": ("{entity} is best known for making {value}.", "{entity} makes {value}.", PRODUCTS),
     "leader": ("{entity} is currently led by {value}.", "{entity} is run by {value}.", PEOPLE),
     "colour": ("The logo of {entity} is bright {value}.", "The logo of {entity} is {value}.", COLOURS),
@@ -100,12 +94,12 @@ def generate_rows(n: int, seed: int = 0, split: str = "train") -> list[dict]:
     rows = []
     for index, label in enumerate(labels):
         claim, sentences, evidence = generate_example(rng, label)
-        rows.append(
-            evidence_row(claim, TITLE, sentences, label, evidence, index=index, split=split, generator_seed=seed)
-        )
+        rows.append(evidence_row(claim, TITLE, sentences, label, evidence, index=index, split=split,
+                                 generator_seed=seed))
     return rows
 
 
+@exit_on_bad_input
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m data.synthetic", description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, required=True, help="number of rows")
@@ -113,11 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--split", default="train", help="written to extra_info.split")
     parser.add_argument("--out", required=True, help="output .jsonl or .parquet file")
     args = parser.parse_args(argv)
-    try:
-        rows = generate_rows(args.n, args.seed, args.split)
-        write_rows(rows, Path(args.out))
-    except ValueError as error:
-        raise SystemExit(f"error: {error}") from None
+    rows = generate_rows(args.n, args.seed, args.split)
+    write_rows(rows, Path(args.out))
     print(f"{args.out}: {len(rows)} rows (seed {args.seed})")
 
 

@@ -13,7 +13,7 @@ import argparse
 import random
 from pathlib import Path
 
-from data.jsonio import iter_jsonl, require
+from data.jsonio import exit_on_bad_input, iter_jsonl, require
 from data.rows import make_row, write_rows
 from rewards.verifier import gold_judgment, verifier_prompt
 
@@ -63,6 +63,7 @@ def rebalance(rows: list[dict], seed: int = 0) -> list[dict]:
     return [row for i, row in enumerate(rows) if i in chosen]
 
 
+@exit_on_bad_input
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m data.verifier", description=__doc__.splitlines()[0])
     parser.add_argument("--input", required=True, help="JSONL of {question, gold_answer, llm_response, gold_judgment}")
@@ -72,14 +73,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-rebalance", action="store_true", help="keep the label ratio (e.g. for evaluation)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    try:
-        template = Path(args.template).read_text(encoding="utf-8") if args.template else None
-        rows = convert_verifier(args.input, template, split=args.split)
-        if not args.no_rebalance:
-            rows = rebalance(rows, args.seed)
-        write_rows(rows, Path(args.out))
-    except (ValueError, FileNotFoundError, UnicodeDecodeError) as error:
-        raise SystemExit(f"error: {error}") from None
+    template = Path(args.template).read_text(encoding="utf-8") if args.template else None
+    rows = convert_verifier(args.input, template, split=args.split)
+    if not args.no_rebalance:
+        rows = rebalance(rows, args.seed)
+    write_rows(rows, Path(args.out))
     correct = sum(row["extra_info"]["correct"] for row in rows)
     print(f"{args.out}: {len(rows)} rows ({correct} correct, {len(rows) - correct} incorrect)")
 

@@ -24,7 +24,14 @@ import time
 from pathlib import Path
 
 from data.jsonio import iter_jsonl
+from data.rows import write_rows
+from data.synthetic import generate_rows
+from grpo.evaluate import summarize
+from grpo.stats import paired_difference
 from launch.config import load_config
+from launch.dist import init_distributed
+from launch.plot import training_curves
+from launch.train import run
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 METRICS = (("reward", "reward"), ("format", "format"), ("acc", "label accuracy"), ("evidence", "evidence"))
@@ -36,7 +43,6 @@ def _interval(values: list) -> str:
 
 
 def _difference(before: dict, after: dict, metric: str) -> str:
-    from grpo.stats import paired_difference
     pairs = [(a, b) for a, b in zip(before["values"][metric], after["values"][metric])
              if a is not None and b is not None]
     mean, low, high = paired_difference([a for a, _ in pairs], [b for _, b in pairs])
@@ -63,8 +69,6 @@ def curves(arms: list[tuple[str, Path, int, dict, dict]], path: Path) -> None:
     """One figure: held-out reward and label accuracy (with 95% bands) and the training reward over steps.
     arms: (name, run directory, step offset on the shared axis, held-out result at the arm's start, at its end);
     an arm's held-out points are those it logged (trainer.eval_every), plus its start and end results."""
-    from grpo.evaluate import summarize
-    from launch.plot import training_curves
     runs = {}
     for name, run_dir, offset, start, end in arms:
         records = [record for _, record in iter_jsonl(run_dir / "metrics.jsonl")]
@@ -90,12 +94,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.heldout_seed == 0:
         parser.error("--heldout-seed 0 is the training rows' seed: held-out rows need a seed of their own")
-
-    from data.rows import write_rows
-    from data.synthetic import generate_rows
-    from launch.dist import init_distributed
-    from launch.train import run
-
     out = Path(args.out)
     train_file, heldout_file = out / "data" / "train.jsonl", out / "data" / "heldout.jsonl"
     write_rows(generate_rows(args.train_rows, seed=0, split="train"), train_file)

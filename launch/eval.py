@@ -125,7 +125,7 @@ def evaluate_records(engine, tokenizer, records: list[dict], *, max_new_tokens: 
 def _format(value) -> str:
     if value is None:
         return "-"
-    if isinstance(value, bool) or isinstance(value, int):
+    if isinstance(value, int):  # bool included
         return str(int(value))
     if isinstance(value, float):
         return f"{value:.1f}" if abs(value) >= 10 else f"{value:.3f}"
@@ -136,10 +136,8 @@ def _flatten(metrics: dict) -> dict:
     """Nested metrics (domain_accuracy) become columns `domain_accuracy[math]`."""
     flat = {}
     for key, value in metrics.items():
-        if isinstance(value, dict):
-            flat.update({f"{key}[{inner}]": inner_value for inner, inner_value in value.items()})
-        else:
-            flat[key] = value
+        flat.update({f"{key}[{inner}]": part for inner, part in value.items()} if isinstance(value, dict)
+                    else {key: value})
     return flat
 
 
@@ -178,11 +176,15 @@ def compare(directories: list[str]) -> str:
     """Side-by-side markdown tables of several evaluation output directories, named by directory (the
     full path when two share a name), "(relaxed)" added for relaxed-mode evaluations."""
     evaluations = [load_evaluation(directory) for directory in directories]
-    names = [Path(directory).resolve().name for directory in directories]
-    if len(set(names)) < len(names):
-        names = [str(directory) for directory in directories]
-    names = [f"{name} (relaxed)" if evaluation.get("relaxed") else name for name, evaluation in zip(names, evaluations)]
+    names = [f"{name} (relaxed)" if evaluation.get("relaxed") else name
+             for name, evaluation in zip(run_names(directories), evaluations)]
     return markdown_tables({name: evaluation["metrics"] for name, evaluation in zip(names, evaluations)})
+
+
+def run_names(directories: list[str]) -> list[str]:
+    """Each directory's own name, or every full path when two share a name (launch.eval compare, launch.plot)."""
+    names = [Path(directory).resolve().name for directory in directories]
+    return names if len(set(names)) == len(names) else [str(directory) for directory in directories]
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,8 +16,11 @@ import math
 import sys
 from pathlib import Path
 
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+
 from data.jsonio import iter_jsonl
-from launch.eval import exit_2_on_bad_input, load_evaluation
+from launch.eval import exit_2_on_bad_input, load_evaluation, run_names
 
 # (metrics.jsonl key, panel title), drawn when any run logged the key. SFT runs log only "loss".
 CURVES = (("eval/reward", "held-out reward (greedy)"), ("eval/acc", "held-out label accuracy (greedy)"),
@@ -36,9 +39,7 @@ RATE_SOURCES = set(HEADLINE)  # every headline metric above is a rate in [0, 1]
 
 def _number(value) -> float:
     """A logged value as a float; the run log writes non-finite numbers as strings ("nan", "inf")."""
-    if isinstance(value, bool):
-        return float(value)
-    if isinstance(value, (int, float)):
+    if isinstance(value, (int, float)):  # bool included
         return float(value)
     if isinstance(value, str):
         try:
@@ -83,10 +84,10 @@ def read_evaluations(directory: Path, name: str) -> dict[str, dict[str, dict]]:
     return evaluations
 
 
-def _grid(figure_class, panels: int, width: float, height: float):
+def _grid(panels: int, width: float, height: float) -> tuple[Figure, list]:
     columns = min(3, panels)
     rows = math.ceil(panels / columns)
-    figure = figure_class(figsize=(width * columns, height * rows), layout="constrained")
+    figure = Figure(figsize=(width * columns, height * rows), layout="constrained")
     axes = figure.subplots(rows, columns, squeeze=False).ravel()
     for unused in axes[panels:]:
         unused.set_visible(False)
@@ -96,13 +97,11 @@ def _grid(figure_class, panels: int, width: float, height: float):
 def training_curves(runs: dict[str, list[dict]], path: Path, curves=CURVES) -> list[str]:
     """One PNG, a panel per `curves` key that any run logged, a line per run (with its 95% band where the run
     logged KEY_low / KEY_high, as held-out scores are); returns the keys drawn."""
-    from matplotlib.figure import Figure
-
     logged = {key for records in runs.values() for record in records for key in record}
     keys = [(key, title) for key, title in curves if key in logged]
     if not keys:
         return []
-    figure, axes = _grid(Figure, len(keys), 4.5, 3.2)
+    figure, axes = _grid(len(keys), 4.5, 3.2)
     colours = {name: f"C{index % 10}" for index, name in enumerate(runs)}  # a run keeps its colour in every panel
     for axis, (key, title) in zip(axes, keys):
         for name, records in runs.items():
@@ -119,7 +118,6 @@ def training_curves(runs: dict[str, list[dict]], path: Path, curves=CURVES) -> l
         axis.set_title(title)
         axis.set_xlabel("step")
         axis.grid(alpha=0.3)
-    from matplotlib.lines import Line2D
     axes[0].legend([Line2D([], [], color=colours[name], marker=".") for name in runs], list(runs), fontsize="small")
     figure.savefig(path, dpi=100)
     return [key for key, _ in keys]
@@ -128,12 +126,10 @@ def training_curves(runs: dict[str, list[dict]], path: Path, curves=CURVES) -> l
 def evaluation_bars(evaluations: dict[str, dict[str, dict]], path: Path) -> list[str]:
     """One PNG, a panel per data source, grouped bars (a colour per model) of its headline metrics;
     returns the sources drawn."""
-    from matplotlib.figure import Figure
-
     sources = list(dict.fromkeys(source for metrics in evaluations.values() for source in metrics))
     if not sources:
         return []
-    figure, axes = _grid(Figure, len(sources), 5.0, 3.6)
+    figure, axes = _grid(len(sources), 5.0, 3.6)
     for axis, source in zip(axes, sources):
         labels = HEADLINE.get(source, (("reward_mean", "reward"),))
         models = [name for name, metrics in evaluations.items() if source in metrics]
@@ -156,11 +152,8 @@ def evaluation_bars(evaluations: dict[str, dict[str, dict]], path: Path) -> list
 def plot_runs(directories: list[str], out: Path) -> list[Path]:
     """Read every directory first (errors name the directory or file), then draw; returns the PNG paths."""
     paths = [Path(directory) for directory in directories]
-    names = [path.resolve().name for path in paths]
-    if len(set(names)) < len(names):
-        names = [str(path) for path in paths]
     runs, evaluations = {}, {}
-    for path, name in zip(paths, names):
+    for path, name in zip(paths, run_names(directories)):
         if not path.is_dir():
             raise FileNotFoundError(f"{path}: no such directory")
         if (path / "metrics.jsonl").is_file():

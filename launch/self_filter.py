@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib
 import json
 import random
 from pathlib import Path
 from typing import Callable
 
 import models
+from data.jsonio import exit_on_bad_input
 from data.rows import read_rows, write_rows
+from rewards import load_function
 from rollout.hf_engine import HFEngine
 
 GenerateFn = Callable[[list[str], int], list[list[str]]]
@@ -104,8 +105,8 @@ def load_judge(spec: str | None) -> JudgeFn:
     if not module_name or not function_name:
         raise ValueError(f"--judge {spec!r} must look like module:function")
     try:
-        function = getattr(importlib.import_module(module_name), function_name)
-    except (ImportError, AttributeError) as error:
+        function = load_function(spec)
+    except ValueError as error:
         raise ValueError(f"--judge {spec!r} cannot be loaded: {error}") from None
 
     def judge(text: str, ground_truth: str) -> bool:
@@ -143,6 +144,7 @@ def engine_generate_fn(model: str | None, *, max_new_tokens: int, temperature: f
     return generate
 
 
+@exit_on_bad_input
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m launch.self_filter", description=__doc__.splitlines()[0])
     parser.add_argument("--input", required=True, help="factqa rows (.jsonl or .parquet)")
@@ -160,22 +162,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--judge", default="rewards.factqa:judge",
                         help="module:function judging (completion_text, ground_truth): bool, or a number > 0 if right")
     args = parser.parse_args(argv)
-    try:
-        rows = read_rows(args.input)
-        # Settings and judge are checked before the model loads, so a typo fails in a second, not after a minute.
-        check_settings(args.group_size, args.min_correct, args.max_correct, args.anchors, args.batch_size)
-        judge_fn = load_judge(args.judge)
-        generate_fn = engine_generate_fn(args.model, max_new_tokens=args.max_new_tokens,
-                                         temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-        kept, stats = self_filter(rows, generate_fn, judge_fn, group_size=args.group_size,
-                                  min_correct=args.min_correct, max_correct=args.max_correct, anchors=args.anchors,
-                                  batch_size=args.batch_size, seed=args.seed, render=json.dumps)
-        if not kept:
-            raise ValueError(f"no question was answered correctly between {stats['min_correct']} and "
-                             f"{stats['max_correct']} times out of {args.group_size}; nothing to write ({stats})")
-        write_rows(kept, Path(args.out))
-    except (ValueError, FileNotFoundError) as error:
-        raise SystemExit(f"error: {error}") from None
+    rows = read_rows(args.input)
+    # Settings and judge are checked before the model loads, so a typo fails in a second, not after a minute.
+    check_settings(args.group_size, args.min_correct, args.max_correct, args.anchors, args.batch_size)
+    judge_fn = load_judge(args.judge)
+    generate_fn = engine_generate_fn(args.model, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                     top_p=args.top_p, seed=args.seed)
+    kept, stats = self_filter(rows, generate_fn, judge_fn, group_size=args.group_size, min_correct=args.min_correct,
+                              max_correct=args.max_correct, anchors=args.anchors, batch_size=args.batch_size,
+                              seed=args.seed, render=json.dumps)
+    if not kept:
+        raise ValueError(f"no question was answered correctly between {stats['min_correct']} and "
+                         f"{stats['max_correct']} times out of {args.group_size}; nothing to write ({stats})")
+    write_rows(kept, Path(args.out))
     print(f"{args.out}: kept {len(kept)} of {len(rows)} rows {stats}")
 
 

@@ -65,28 +65,27 @@ def _unknown(name: str, reason: str) -> ValueError:
                       "or give a path 'package.module.function', 'package.module:function' or 'file.py:function'")
 
 
-def _load_path(name: str) -> RewardFn:
-    if ":" in name:
-        module_name, _, attribute = name.rpartition(":")
-    else:
-        module_name, _, attribute = name.rpartition(".")
+def load_function(name: str) -> Callable:
+    """The function a path names: "package.module.function", "package.module:function" or "file.py:function"
+    (also launch.self_filter's --judge); ValueError saying why it cannot be loaded."""
+    module_name, _, attribute = name.rpartition(":" if ":" in name else ".")
     if not module_name or not attribute:
-        raise _unknown(name, "not registered")
+        raise ValueError("not registered")
     try:
         if module_name.endswith(".py"):
             path = Path(module_name)
             if not path.is_file():
-                raise _unknown(name, f"file {path} does not exist")
+                raise ValueError(f"file {path} does not exist")
             spec = importlib.util.spec_from_file_location(f"_nanogrpo_reward_{path.stem}", path)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
         else:
             module = importlib.import_module(module_name)
     except ImportError as error:
-        raise _unknown(name, f"cannot import {module_name}: {error}") from None
+        raise ValueError(f"cannot import {module_name}: {error}") from None
     function = getattr(module, attribute, None)
     if not callable(function):
-        raise _unknown(name, f"{module_name} has no function {attribute!r}")
+        raise ValueError(f"{module_name} has no function {attribute!r}")
     return function
 
 
@@ -100,7 +99,10 @@ def get_reward(data_source_or_path: str) -> RewardFn:
         raise _unknown(str(data_source_or_path), "not a name")
     if "." not in data_source_or_path and ":" not in data_source_or_path:
         raise _unknown(data_source_or_path, "not registered")
-    function = _load_path(data_source_or_path)
+    try:
+        function = load_function(data_source_or_path)
+    except ValueError as error:
+        raise _unknown(data_source_or_path, str(error)) from None
     _REGISTRY[data_source_or_path] = function
     return function
 

@@ -105,7 +105,6 @@ class WordTokenizer:
     like any other word); rewards.corpus decides how the ids are stored. Encoding a text from outside the
     corpus gives UNKNOWN_ID to a word the vocabulary lacks, and a query holding one counts 0. Needs no download."""
 
-    kind = "word"
     UNKNOWN_ID = -2  # never stored in an index: a fitted vocabulary holds every word of its corpus
 
     def __init__(self, vocabulary: Sequence[str]) -> None:
@@ -145,7 +144,6 @@ class ExternalTokenizer:
     with a leading space, and case matters, so a phrase matches any of: as written, lower-case,
     capitalised, each with and without a leading space."""
 
-    kind = "external"
     PROBE = "The quick brown fox, 1903: Marie Curie's Nobel Prize."
 
     def __init__(self, encode_fn: Callable[[str], list[int]], name: str = "external") -> None:
@@ -263,14 +261,9 @@ class MemoryCounter(CooccurrenceCounter):
                  semantics: str = "engine") -> None:
         texts = list(texts)
         super().__init__(tokenizer if tokenizer is not None else WordTokenizer.fit(texts), semantics=semantics)
-        pieces, starts, length = [], [], 0
-        for text in texts:
-            ids = [-1, *self.tokenizer.encode(text)]
-            starts.append(length)
-            pieces.append(np.asarray(ids, dtype=np.int64))
-            length += len(ids)
-        self.tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
-        self.document_starts = np.asarray(starts, dtype=np.int64)
+        encoded = [[-1, *self.tokenizer.encode(text)] for text in texts]
+        self.tokens = np.asarray([token for ids in encoded for token in ids], dtype=np.int64)
+        self.document_starts = np.cumsum([0, *(len(ids) for ids in encoded)])[:-1].astype(np.int64)
         order = np.argsort(self.tokens, kind="stable")  # positions grouped by id, ascending within an id
         unique_ids, firsts = np.unique(self.tokens[order], return_index=True)
         ends = np.append(firsts[1:], len(order))

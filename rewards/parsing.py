@@ -5,6 +5,7 @@ text) raises, and all searches are linear in the text length (no regex that back
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import string
@@ -14,8 +15,6 @@ from typing import NamedTuple
 # Every ASCII punctuation character (including `_`) becomes a space; see normalize_text.
 _PUNCTUATION_TO_SPACE = str.maketrans({character: " " for character in string.punctuation})
 _SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+")
-_OPEN_TAG: dict[str, re.Pattern] = {}
-_CLOSE_TAG: dict[str, re.Pattern] = {}
 
 
 def normalize_text(text: str) -> str:
@@ -45,11 +44,9 @@ def token_bag(text: str) -> TokenBag:
 
 
 def bag_f1(prediction: TokenBag, gold: TokenBag) -> float:
-    """Token F1 of two bags: 2*shared / (len(prediction) + len(gold)), which equals 2PR/(P+R).
-
-    shared = sum over common tokens of the smaller count = len(common) plus a correction for the few
-    tokens repeated on both sides, so the usual case is a C-level set intersection.
-    """
+    """Token F1 of two bags: 2*shared / (len(prediction) + len(gold)), which equals 2PR/(P+R). shared (the sum
+    over common tokens of the smaller count) is len(common) plus a correction for the few tokens repeated on
+    both sides, so the usual case is a C-level set intersection."""
     if prediction.length == 0 or gold.length == 0:
         return 0.0
     common = prediction.counts.keys() & gold.counts.keys()
@@ -67,19 +64,13 @@ def token_f1(prediction: str, gold: str) -> float:
 
     >>> token_f1("Vitamin D lowers risk", "vitamin d lowers the risk of fracture")
     0.7272727272727273
-    >>> token_f1("a a b", "a b b"), token_f1("", "anything")
-    (0.6666666666666666, 0.0)
     """
     return bag_f1(token_bag(prediction), token_bag(gold))
 
 
+@functools.cache
 def _tag(name: str, closing: bool) -> re.Pattern:
-    table = _CLOSE_TAG if closing else _OPEN_TAG
-    pattern = table.get(name)
-    if pattern is None:
-        pattern = re.compile(re.escape(f"</{name}>" if closing else f"<{name}>"), re.IGNORECASE)
-        table[name] = pattern
-    return pattern
+    return re.compile(re.escape(f"</{name}>" if closing else f"<{name}>"), re.IGNORECASE)
 
 
 def find_block(text: str, name: str) -> tuple[int, int] | None:
@@ -94,9 +85,7 @@ def find_block(text: str, name: str) -> tuple[int, int] | None:
     if opening is None:
         return None
     closing = _tag(name, closing=True).search(text, opening.end())
-    if closing is None:
-        return None
-    return opening.end(), closing.start()
+    return None if closing is None else (opening.end(), closing.start())
 
 
 def extract_block(text: str, name: str) -> str | None:
@@ -104,8 +93,6 @@ def extract_block(text: str, name: str) -> str | None:
 
     >>> extract_block("x <ANSWER>\\nSUPPORTS\\n</answer> <answer>no</answer>", "answer")
     '\\nSUPPORTS\\n'
-    >>> extract_block("<answer> unclosed", "answer") is None
-    True
     """
     span = find_block(text, name)
     return None if span is None else text[span[0]:span[1]]
@@ -118,10 +105,8 @@ def scoring_regions(text: str, names: tuple[str, ...] = ("think", "answer")) -> 
     block nested in another is part of the outer one. The whole text, `[(0, len(text))]`, when there is no
     complete block. Linear: the next opening tag of each kind is remembered, so no search repeats a prefix.
 
-    >>> scoring_regions("<think>a. b.</think><answer>c</answer>")
-    [(7, 12), (28, 29)]
-    >>> scoring_regions("no tags")
-    [(0, 7)]
+    >>> scoring_regions("<think>a. b.</think><answer>c</answer>"), scoring_regions("no tags")
+    ([(7, 12), (28, 29)], [(0, 7)])
     """
     regions: list[tuple[int, int]] = []
     position = 0
@@ -146,31 +131,13 @@ def scoring_regions(text: str, names: tuple[str, ...] = ("think", "answer")) -> 
     return regions or [(0, len(text))]
 
 
-def split_region(text: str, start: int, end: int) -> list[tuple[int, int]]:
-    """Sentence spans of text[start:end]: split at `(?<=[.!?])\\s+`, surrounding whitespace trimmed, empties dropped."""
-    region = text[start:end]
-    spans = []
-    piece_start = 0
-    for separator in _SENTENCE_BREAK.finditer(region):
-        spans.append((piece_start, separator.start()))
-        piece_start = separator.end()
-    spans.append((piece_start, len(region)))
-    sentences = []
-    for piece_start, piece_end in spans:
-        piece = region[piece_start:piece_end]
-        stripped = piece.strip()
-        if stripped:
-            leading = len(piece) - len(piece.lstrip())
-            sentences.append((start + piece_start + leading, start + piece_start + leading + len(stripped)))
-    return sentences
-
-
 def split_sentences(text: str) -> list[tuple[int, int]]:
     """Sentence character spans `(start, end)` over the ORIGINAL text, sorted and non-overlapping.
 
     Only the content of `<think>` and `<answer>` blocks is split when there is a complete block; otherwise
-    the whole text is. Sentences end at `.`, `!` or `?` followed by whitespace; each span is trimmed of
-    whitespace, so `text[start:end]` is the sentence and only whitespace lies between two spans of a block.
+    the whole text is. Sentences end at `.`, `!` or `?` followed by whitespace (`(?<=[.!?])\\s+`); each span
+    is trimmed of whitespace, so `text[start:end]` is the sentence and only whitespace lies between two spans
+    of a block.
 
     >>> text = "<think>Paris is in France. It is big!</think><answer>Paris</answer>"
     >>> [text[start:end] for start, end in split_sentences(text)]
@@ -178,7 +145,15 @@ def split_sentences(text: str) -> list[tuple[int, int]]:
     """
     sentences: list[tuple[int, int]] = []
     for start, end in scoring_regions(text):
-        sentences.extend(split_region(text, start, end))
+        piece_start = start  # a region starts after a tag's ">" or at 0: the lookbehind sees nothing before it
+        for separator in [*_SENTENCE_BREAK.finditer(text, start, end), None]:
+            piece_end = end if separator is None else separator.start()
+            piece = text[piece_start:piece_end]
+            stripped = piece.strip()
+            if stripped:
+                leading = piece_start + len(piece) - len(piece.lstrip())
+                sentences.append((leading, leading + len(stripped)))
+            piece_start = piece_end if separator is None else separator.end()
     return sentences
 
 
@@ -188,22 +163,18 @@ def think_answer_format(text: str, *, min_think_words: int = 3) -> bool:
 
     >>> think_answer_format("<think>Paris is the capital.</think>\\n<answer>Paris</answer>")
     True
-    >>> think_answer_format("<think>hmm</think><answer>Paris</answer>")
-    False
     """
-    tags = {}
+    tags = []
     for name in ("think", "answer"):
         for closing in (False, True):
             matches = _tag(name, closing).finditer(text)
             first = next(matches, None)
             if first is None or next(matches, None) is not None:
                 return False  # every tag exactly once
-            tags[(name, closing)] = first
-    think_open, think_close = tags[("think", False)], tags[("think", True)]
-    answer_open, answer_close = tags[("answer", False)], tags[("answer", True)]
-    if not (think_open.end() <= think_close.start() and think_close.end() <= answer_open.start()
-            and answer_open.end() <= answer_close.start()):
-        return False
+            tags.append(first)
+    if [tag.start() for tag in tags] != sorted(tag.start() for tag in tags):
+        return False  # out of order (two tags never overlap: each is "<...>" with no "<" or ">" inside)
+    think_open, think_close, answer_open, answer_close = tags
     outside = text[:think_open.start()] + text[think_close.end():answer_open.start()] + text[answer_close.end():]
     if outside.strip():
         return False
@@ -216,10 +187,8 @@ def load_ground_truth(ground_truth: object) -> object:
     """A ground truth as a Python value: a dict passes through; a string holding a JSON object or array is
     decoded; any other string is returned unchanged (a plain answer). Other types raise ValueError.
 
-    >>> load_ground_truth('{"answer": "SUPPORTS"}')
-    {'answer': 'SUPPORTS'}
-    >>> load_ground_truth("Paris;City of Light")
-    'Paris;City of Light'
+    >>> load_ground_truth('{"answer": "SUPPORTS"}'), load_ground_truth("Paris;City of Light")
+    ({'answer': 'SUPPORTS'}, 'Paris;City of Light')
     """
     if isinstance(ground_truth, dict):
         return ground_truth

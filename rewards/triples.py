@@ -56,11 +56,11 @@ def content_words(phrase: str) -> list[str]:
     return [word for word in _WORD.findall(phrase) if word.lower() not in STOPWORDS]
 
 
-def query_words(triple: Triple, *, max_side_words: int | None = None) -> tuple[list[str], list[str]] | None:
+def query_words(triple: Triple) -> tuple[list[str], list[str]] | None:
     """(head words, tail words) to count, or None when there is nothing to query: duplicates removed
     (case-insensitive), tail words already in the head removed (a tail that repeats the head would count
     the head alone). Every content word is kept, as the corpus paper ANDs all content words of the subject
-    and the object; `max_side_words` caps each side for a caller that wants cheaper queries.
+    and the object.
 
     >>> query_words(Triple("Marie Curie", "won", "the Nobel Prize"))
     (['Marie', 'Curie'], ['Nobel', 'Prize'])
@@ -68,20 +68,14 @@ def query_words(triple: Triple, *, max_side_words: int | None = None) -> tuple[l
     True
     """
     head: list[str] = []
-    for word in content_words(triple.head):
-        if word.lower() not in {seen.lower() for seen in head}:
-            head.append(word)
-    head = head[:max_side_words] if max_side_words is not None else head
-    taken = {word.lower() for word in head}
     tail: list[str] = []
-    for word in content_words(triple.tail):
-        if word.lower() not in taken:
-            taken.add(word.lower())
-            tail.append(word)
-    tail = tail[:max_side_words] if max_side_words is not None else tail
-    if not head or not tail:
-        return None
-    return head, tail
+    taken: set[str] = set()
+    for side, phrase in ((head, triple.head), (tail, triple.tail)):
+        for word in content_words(phrase):
+            if word.lower() not in taken:
+                taken.add(word.lower())
+                side.append(word)
+    return (head, tail) if head and tail else None
 
 
 def _is_verb(word: str) -> bool:
@@ -158,7 +152,9 @@ class ModelTripleExtractor:
 
     def __init__(self, generate_fn: Callable[[str], str], template: str | None = None) -> None:
         self.generate_fn = generate_fn
-        self.template = template if template is not None else triple_template()
+        if template is None:  # the few-shot prompt shipped as package data
+            template = (resources.files("rewards") / "templates" / "triple_extraction.txt").read_text(encoding="utf-8")
+        self.template = template
         if "{sentence}" not in self.template:
             raise ValueError("triple extraction template must contain the placeholder {sentence}")
 
@@ -203,8 +199,3 @@ def _valid_triple(line: str) -> Triple | None:
     if head.lower() in PRONOUNS or tail.lower() in PRONOUNS or not content_words(head) or not content_words(tail):
         return None
     return Triple(head, relation, tail)
-
-
-def triple_template() -> str:
-    """The few-shot extraction prompt shipped as package data (placeholder {sentence})."""
-    return resources.files("rewards").joinpath("templates/triple_extraction.txt").read_text(encoding="utf-8")
