@@ -1,6 +1,3 @@
-"""Rollout: generation engines behind one interface (engine.py: `Completion`, `Engine`), the transformers
-engine (hf_engine.py: `HFEngine`), the colocated vLLM engine (vllm_engine.py: `VLLMEngine`, imported on
-demand since vLLM is optional) and the bucketed trainer-to-engine weight sync (sync.py: `sync_weights`)."""
-from rollout.engine import Completion, Engine
-
-__all__ = ["Completion", "Engine"]
+"""Rollout: generation engines behind one interface (engine.py: `Completion`, `Engine`), the transformers engine
+(hf_engine.py: `HFEngine`, with its CPU fast path in cpu_decode.py), the colocated vLLM engine (vllm_engine.py:
+`VLLMEngine`, vLLM being optional) and the bucketed trainer-to-engine weight sync (sync.py: `sync_weights`)."""

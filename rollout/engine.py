@@ -9,14 +9,13 @@ by an end-of-sequence token keeps that token in `completion_ids` (its logprob is
 """
 from __future__ import annotations
 
+import hashlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor
-
-FINISH_REASONS = ("stop", "length")
 
 
 @dataclass
@@ -58,24 +57,19 @@ class Engine(Protocol):
         seed: int | None,
     ) -> list[Completion]:
         """Sample n completions per prompt: B = len(prompts) * n, the n completions of a prompt consecutive."""
-        ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Load HF-named full tensors (any subset of the model's parameters) into the engine's model."""
-        ...
 
     def sleep(self) -> None:
         """Free generation memory (weights and KV cache) until `wake`; a no-op where the backend cannot."""
-        ...
 
     def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
         """Restore `tags` of what `sleep` freed ("weights" before a sync, "kv_cache" after it); a no-op where
         the backend cannot sleep."""
-        ...
 
     def close(self) -> None:
         """Release the engine at the end of a run."""
-        ...
 
 
 SEED_BITS = 63  # seeds are non-negative int64 (torch.Generator.manual_seed and vLLM both take them)
@@ -90,7 +84,6 @@ def stream_seed(*parts: int) -> int:
     >>> stream_seed(0, 1) == stream_seed(0, 1) != stream_seed(1, 0)
     True
     """
-    import hashlib
     digest = hashlib.blake2b(b",".join(str(int(part)).encode() for part in parts), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> (64 - SEED_BITS)
 
@@ -163,31 +156,33 @@ def completion_text(tokenizer, completion_ids: Sequence[int]) -> str:
     return tokenizer.decode(list(completion_ids), skip_special_tokens=True)
 
 
-def raise_out_of_memory(error: BaseException, batch_size: int, max_new_tokens: int) -> None:
-    """Re-raise an out-of-memory error from generation with the batch size and what to do about it."""
-    raise type(error)(
-        f"out of memory while generating {batch_size} sequences of up to {max_new_tokens} new tokens: "
-        f"pass fewer prompts per generate call (or a smaller n / max_new_tokens), or give the engine more "
-        f"memory (vLLM: kv_cache_memory_bytes / gpu_memory_utilization). Original error: {error}"
-    ) from error
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """True for CUDA's OutOfMemoryError and for the CPU allocator's failure (a plain RuntimeError)."""
-    message = str(error).lower()
-    return type(error).__name__ == "OutOfMemoryError" or "out of memory" in message or "can't allocate" in message
+@contextmanager
+def oom_explained(batch_size: int, max_new_tokens: int):
+    """Re-raise an out-of-memory error of generation (CUDA's OutOfMemoryError, or the CPU allocator's failure, a
+    plain RuntimeError) with the batch size and what to do about it."""
+    try:
+        yield
+    except RuntimeError as error:
+        message = str(error).lower()
+        if type(error).__name__ == "OutOfMemoryError" or "out of memory" in message or "can't allocate" in message:
+            raise type(error)(
+                f"out of memory while generating {batch_size} sequences of up to {max_new_tokens} new tokens: "
+                f"pass fewer prompts per generate call (or a smaller n / max_new_tokens), or give the engine more "
+                f"memory (vLLM: kv_cache_memory_bytes / gpu_memory_utilization). Original error: {error}"
+            ) from error
+        raise
 
 
 @contextmanager
 def torch_threads(num_threads: int | None):
-    """Run an engine call with `num_threads` torch intra-op threads, then restore the caller's setting
-    (None: leave it alone).
+    """Run an engine call at `num_threads` torch intra-op threads, then restore the caller's count (None: leave
+    torch alone).
 
-    Why pin it: token-by-token decoding is many small ops; with two or more OpenMP threads the workers
-    spin between them, and on a busy machine each parallel region waits for a descheduled worker, so one
-    thread can be much faster there, while two win on an idle machine (bench/README.md has the figures).
-    vLLM lowers torch to one thread for its own reasons. The restore also reinstates `torch.set_num_threads`
-    itself, which building an in-process vLLM CPU worker (vLLM 0.32) replaces with a no-op for the whole process.
+    Why it exists: decoding token by token is many small operations; with two or more OpenMP threads on a busy
+    machine each parallel region waits for a descheduled worker, so one thread can be much faster there, while two
+    win on an idle machine (bench/README.md). It also puts back `torch.set_num_threads` itself, which building an
+    in-process vLLM CPU worker (vLLM 0.32) replaces with a no-op for the whole process, so that the trainer and
+    the transformers engine can still set their thread counts after a vLLM engine was built.
     """
     if num_threads is None:
         yield

@@ -1,19 +1,13 @@
-"""The transformers rollout engine: a hand-written sampling loop over a KV cache, batched with left padding,
-for CPU runs and tests. It shares the policy module (or owns a copy) and implements `rollout.engine.Engine`.
+"""The transformers rollout engine: a sampling loop over a batch of left-padded prompts, for CPU runs and tests.
+It shares the policy module (or owns a copy) and implements `rollout.engine.Engine`.
 
 Why not `model.generate`: the loop needs the logprob of each sampled token under exactly the distribution it
-was drawn from, explicit sampling fields with nothing read from the model's generation_config, and the
-option to drop finished rows from the batch (and the cache) so long-tail completions do not pay for short
-ones. bench/generate.py compares its speed with `generate`.
+was drawn from, explicit sampling fields with nothing read from the model's generation_config, and finished rows
+leaving the batch so that long-tail completions do not pay for short ones. bench/generate.py compares speeds.
 
-A decode step moves one token per row through every layer, so its cost is small operations and reading the
-weights; the loop avoids what transformers adds on CPU: grouped-query attention without copying the key/value
-heads (models.attention), a cache allocated once (rollout.kv_cache), each prompt's keys held once for its G rows
-(rollout.kv_cache.SharedPrefixCache), a written-out decode step on weights stacked and reordered for oneDNN
-(rollout.decode_step), the vocabulary projection in slices (`_project`) and inverse-CDF sampling
-(rollout.sampling). What is left is bound by memory bandwidth. torch.compile of the decoder is not used: it
-compiles slowly and is no faster per step, since the matmuls go to the same kernels. The measured profile of
-a step, change by change, is in bench/README.md ("Decode-step profile").
+The forward passes run through the model's forward on a transformers DynamicCache (`TransformersDecoding`), or,
+for the models rollout.cpu_decode supports, through that module's written-out CPU fast path; the two give the
+same logits up to float rounding.
 """
 from __future__ import annotations
 
@@ -21,15 +15,11 @@ from typing import Iterable, Sequence
 
 import torch
 from torch import Tensor
+from transformers import DynamicCache
 
-from models.attention import SDPA_NATIVE_GQA, attention_implementation
-from models.logprobs import logit_transform
-from rollout.engine import (
-    Completion, completion_text, is_out_of_memory, raise_out_of_memory, torch_threads, validate_request,
-)
-from rollout.decode_step import DecodeWeights, decode_step, linear, pack_decode_weights, supports_decode_step
-from rollout.kv_cache import SharedPrefixCache, prefix_attention_available, preallocated_cache
-from rollout.sampling import sample_next_tokens
+from models.batching import pad_batch
+from rollout.cpu_decode import CPUDecoding, supported
+from rollout.engine import Completion, completion_text, oom_explained, torch_threads, validate_request
 
 
 class HFEngine:
@@ -42,9 +32,8 @@ class HFEngine:
                    `generate`. False when the engine owns its copy: `update_weights` copies into it by name.
     eos_token_ids: token ids that end a completion (finish reason "stop"); default: the tokenizer's eos.
     max_context:   the most tokens a sequence may hold; default: the model's max_position_embeddings.
-    num_threads:   torch intra-op threads while generating (see `rollout.engine.torch_threads`); the caller's
-                   setting is restored afterwards. None leaves torch's setting as it is; 1 is faster on a
-                   CPU that other jobs share.
+    num_threads:   torch intra-op threads while generating, the caller's restored afterwards; None: torch's
+                   setting as it is (see `rollout.engine.torch_threads`: 1 is faster on a CPU others share).
     """
 
     def __init__(
@@ -78,16 +67,6 @@ class HFEngine:
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         # A padded vocabulary (more model rows than tokenizer entries) has ids with no text: never sample them.
         self.num_text_tokens = min(len(tokenizer), model.get_output_embeddings().weight.shape[0])
-        # transformers' sdpa copies every key/value head num_key_value_groups times per token on CPU; the same
-        # kernel with native grouped-query attention does not (models.attention). Other implementations stay.
-        self._attention = SDPA_NATIVE_GQA if model.config._attn_implementation == "sdpa" else None
-        head = model.get_output_embeddings()
-        # The decoder + sliced projection path needs logits that are exactly a plain linear head's output.
-        plain = type(head) is torch.nn.Linear and logit_transform(model) is None and hasattr(model, "get_decoder")
-        self._head = head if plain else None
-        self._decoder = model.get_decoder() if self._head is not None else None
-        # The written-out decode step takes the additive mask that only our sdpa function's path builds.
-        self._step_by_hand = self._head is not None and self._attention is not None and supports_decode_step(model)
 
     def generate(
         self,
@@ -109,83 +88,60 @@ class HFEngine:
             prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             stop=stop, seed=seed, max_context=self.max_context, vocab_size=self.vocab_size,
         )
-        rows = [list(prompt) for prompt in prompts for _ in range(n)]
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad(), torch_threads(self.num_threads):
+            with torch.no_grad(), torch_threads(self.num_threads), oom_explained(len(prompts) * n, max_new_tokens):
                 return self._sample(prompts, n, max_new_tokens, temperature, top_p, top_k, stop_strings, seed)
-        except RuntimeError as error:
-            if is_out_of_memory(error):
-                raise_out_of_memory(error, len(rows), max_new_tokens)
-            raise
         finally:
             self.model.train(was_training)
 
     def _sample(self, prompts, n, max_new_tokens, temperature, top_p, top_k, stop_strings, seed) -> list[Completion]:
-        """The decoding loop. Each prompt is prefilled once and its KV cache copied to its n rows; rows that
-        finish leave the batch (and the cache). Per token, the bookkeeping is a few tensor operations over the
-        batch; text is decoded per token only when there are stop strings. B = len(prompts) * n rows."""
+        """The decoding loop over B = len(prompts) * n rows: each prompt prefilled once for its n rows, then one
+        token per row and step; rows that finish leave the batch. Text is decoded per token only for stop strings."""
         device = self.model.get_input_embeddings().weight.device
         generator = torch.Generator(device=device)
         generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
         prompt_lengths = torch.tensor([len(prompt) for prompt in prompts]).repeat_interleave(n)
         # Per-row budget [B]: max_new_tokens, cut to what the context leaves after the prompt.
         budget = (self.max_context - prompt_lengths).clamp(max=max_new_tokens).to(device)
-        steps, prompt_len = int(budget.max()), max(len(prompt) for prompt in prompts)
-        input_ids = torch.full((len(prompts), prompt_len), self.pad_token_id, dtype=torch.long)
-        # [rows, prompt + completion columns]: prompts left-padded, every completion column real.
-        attention_mask = torch.ones((len(prompts), prompt_len + steps), dtype=torch.long)
-        for index, prompt in enumerate(prompts):
-            input_ids[index, prompt_len - len(prompt):] = torch.tensor(prompt)
-            attention_mask[index, : prompt_len - len(prompt)] = 0
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        # The same positions as models.batching.pad_batch, so rollout and trainer logprobs agree.
-        position_ids = (attention_mask[:, :prompt_len].cumsum(-1) - 1).clamp(min=0)
+        steps = int(budget.max())
+        # Prompts left-padded with the trainer's positions (models.batching.pad_batch), so their logprobs agree.
+        batch = pad_batch(prompts, [[] for _ in prompts], self.pad_token_id)
+        input_ids, attention_mask, position_ids = (batch[key].to(device) for key in
+                                                   ("input_ids", "attention_mask", "position_ids"))
         batch_size = len(prompts) * n
         completion = torch.zeros((batch_size, steps), dtype=torch.long, device=device)
         logprobs = torch.zeros((batch_size, steps), dtype=torch.float32, device=device)
         lengths, stopped = budget.clone(), torch.zeros(batch_size, dtype=torch.bool, device=device)
         active = torch.arange(batch_size, device=device)  # batch row -> completion index
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)
-        num_layers = self.model.config.get_text_config().num_hidden_layers
-        # Each prompt's keys and values once for its n rows (rollout.kv_cache.SharedPrefixCache) where the
-        # written-out decode step runs; otherwise copied to the n rows of a preallocated cache.
-        shared_prefix = self._step_by_hand and prefix_attention_available(device)
-        if shared_prefix:
-            cache = SharedPrefixCache(num_layers, steps, n, self._decode_mask(attention_mask[:, :prompt_len]))
+        if supported(self.model):
+            decoding = CPUDecoding(self.model, len(prompts), n, steps)
         else:
-            cache = preallocated_cache(num_layers, prompt_len + steps)
-        # The projections reordered for oneDNN once per call (the policy's weights change between calls).
-        weights = pack_decode_weights(self._decoder, self._head, batch_size) if self._step_by_hand else None
-        with attention_implementation(self.model, self._attention):
-            logits = self._next_logits(input_ids, attention_mask[:, :prompt_len], position_ids, cache, weights)
-            prefill_rows = torch.arange(len(prompts), device=device).repeat_interleave(n)  # one row per prompt -> n
-            if not shared_prefix:
-                cache.batch_select_indices(prefill_rows)
-            logits, attention_mask = logits[prefill_rows], attention_mask[prefill_rows]
-            positions = position_ids[prefill_rows, -1:]
-            for step in range(steps):
-                if self.num_text_tokens < logits.shape[-1]:
-                    logits[:, self.num_text_tokens:] = float("-inf")
-                tokens, token_logprobs = sample_next_tokens(
-                    logits, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
-                completion[active, step], logprobs[active, step] = tokens, token_logprobs
-                stop = torch.isin(tokens, eos)
-                if stop_strings:
-                    stop |= self._stop_string_hits(completion[active, : step + 1], stop_strings)
-                finished = stop | (budget[active] <= step + 1)
-                stopped[active[stop]] = True
-                lengths[active[finished]] = step + 1
-                if bool(finished.all()):
-                    break
-                if bool(finished.any()):
-                    keep = (~finished).nonzero()[:, 0]
-                    cache.batch_select_indices(keep)
-                    active, tokens, positions, attention_mask = active[keep], tokens[keep], positions[keep], attention_mask[keep]
-                positions = positions + 1
-                mask = None if shared_prefix else self._decode_mask(attention_mask[:, : prompt_len + step + 1])
-                logits = self._next_logits(tokens[:, None], mask, positions, cache, weights)
+            decoding = TransformersDecoding(self.model, n)
+        logits = decoding.prefill(input_ids, attention_mask, position_ids)
+        positions = position_ids[:, -1:].repeat_interleave(n, dim=0)
+        for step in range(steps):
+            if self.num_text_tokens < logits.shape[-1]:
+                logits[:, self.num_text_tokens:] = float("-inf")
+            tokens, token_logprobs = sample_next_tokens(
+                logits, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
+            completion[active, step], logprobs[active, step] = tokens, token_logprobs
+            stop = torch.isin(tokens, eos)
+            if stop_strings:
+                stop |= self._stop_string_hits(completion[active, : step + 1], stop_strings)
+            finished = stop | (budget[active] <= step + 1)
+            stopped[active[stop]] = True
+            lengths[active[finished]] = step + 1
+            if bool(finished.all()):
+                break
+            if bool(finished.any()):
+                keep = (~finished).nonzero()[:, 0]
+                decoding.keep(keep)
+                active, tokens, positions = active[keep], tokens[keep], positions[keep]
+            positions = positions + 1
+            logits = decoding.step(tokens, positions)
         completion_lists, logprob_lists = completion.tolist(), logprobs.tolist()
         results = []
         for index, (length, row_stopped) in enumerate(zip(lengths.tolist(), stopped.tolist())):
@@ -194,35 +150,6 @@ class HFEngine:
                 prompt_ids=list(prompts[index // n]), completion_ids=ids, text=completion_text(self.tokenizer, ids),
                 logprobs=logprob_lists[index][:length], finish_reason="stop" if row_stopped else "length"))
         return results
-
-    def _next_logits(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache,
-                     weights: DecodeWeights | None) -> Tensor:
-        """Run [A, L] new tokens on the cache; return the next-token logits after each row's last one, [A, V].
-
-        A decode step (L = 1) of a supported architecture runs rollout.decode_step (on `weights`, the
-        oneDNN-reordered projections, when given); otherwise the decoder's own forward. With a plain linear head
-        the last hidden states are projected by the reordered head, or in slices of the vocabulary (`_project`);
-        otherwise the model's forward computes the logits of one position."""
-        if self._head is None:
-            return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
-        if self._step_by_hand and input_ids.shape[1] == 1:
-            hidden = decode_step(self._decoder, input_ids, attention_mask, position_ids, cache, weights)
-        else:
-            hidden = self._decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                   past_key_values=cache, use_cache=True).last_hidden_state[:, -1, :]
-        if weights is not None:
-            return linear(hidden, weights.head, weights.head_bias)
-        return _project(hidden, self._head.weight, self._head.bias)
-
-    def _decode_mask(self, attention_mask: Tensor) -> Tensor:
-        """The mask of one decode step: [A, S] 0/1 as transformers takes it, or, with our sdpa function, the
-        [A, 1, 1, S] additive float mask it would build from that (0 on real columns, -inf on padding), which
-        torch's CPU kernel runs faster than the boolean one (bench/README.md, "Decode-step profile")."""
-        if self._attention is None:
-            return attention_mask
-        additive = torch.zeros(attention_mask.shape, dtype=self.model.dtype, device=attention_mask.device)
-        return additive.masked_fill_(attention_mask == 0, float("-inf"))[:, None, None, :]
 
     def _stop_string_hits(self, completions: Tensor, stop_strings: list[str]) -> Tensor:
         """[A] bool: whether each row's decoded completion ([A, k] token ids so far) contains a stop string
@@ -262,16 +189,99 @@ class HFEngine:
         """Nothing to release: the model is the caller's (or garbage once the engine goes)."""
 
 
-# Vocabulary rows per slice of the output projection during decoding: MKL handles one tall thin [V, H] weight
-# poorly, and slices of 2,048 rows run faster (bench/README.md, "Decode-step profile").
-HEAD_SLICE_ROWS = 2048
+class TransformersDecoding:
+    """One generate call's forward passes through the model's own forward on a transformers DynamicCache (any
+    architecture, device and attention implementation): `prefill` the prompts once, `step` one token per live
+    row, `keep` the rows that go on (rollout.cpu_decode.CPUDecoding is the same interface)."""
+
+    def __init__(self, model: torch.nn.Module, n: int):
+        self.model, self.n, self.cache = model, n, DynamicCache(config=model.config)
+
+    def prefill(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
+        """The left-padded prompts [P, Lp]; returns the next-token logits of the P * n rows, [P * n, V]."""
+        logits, self.attention_mask = self._forward(input_ids, attention_mask, position_ids), attention_mask
+        rows = torch.arange(len(input_ids), device=input_ids.device).repeat_interleave(self.n)
+        self.keep(rows)  # each prompt's keys and values copied to its n rows
+        return logits[rows]
+
+    def step(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """The next-token logits [A, V] after each live row's `tokens` [A] at `positions` [A, 1]."""
+        self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones(len(tokens), 1)], dim=1)
+        return self._forward(tokens[:, None], self.attention_mask, positions)
+
+    def keep(self, rows: Tensor) -> None:
+        """Keep live rows `rows`, in that order (repeats allowed)."""
+        self.cache.reorder_cache(rows)
+        self.attention_mask = self.attention_mask[rows]
+
+    def _forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
 
 
-def _project(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """hidden [A, H] @ weight[V, H].T (+ bias) -> logits [A, V], computed HEAD_SLICE_ROWS vocabulary rows at a
-    time (each logit is the same dot product as in one F.linear call)."""
-    logits = hidden.new_empty(hidden.shape[0], weight.shape[0])
-    for start in range(0, weight.shape[0], HEAD_SLICE_ROWS):
-        rows = slice(start, start + HEAD_SLICE_ROWS)
-        torch.mm(hidden, weight[rows].t(), out=logits[:, rows])
-    return logits if bias is None else logits.add_(bias)
+def truncate_logits(scaled_logits: Tensor, top_p: float, top_k: int) -> Tensor:
+    """Set to -inf every logit outside the top-k set and outside the smallest top-p nucleus.
+
+    scaled_logits: [A, V] float32, already divided by the temperature.
+    top_k: 0 keeps everything; top_p: 1.0 keeps everything. The most likely token is always kept.
+    Returns a new [A, V] tensor (the input is not modified).
+    """
+    vocab_size = scaled_logits.shape[-1]
+    result = scaled_logits
+    if 0 < top_k < vocab_size:
+        kth_largest = torch.topk(result, top_k, dim=-1).values[:, -1:]
+        result = result.masked_fill(result < kth_largest, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, sorted_index = torch.sort(result, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Mass strictly before each token: a token is dropped once the tokens above it already reach top_p,
+        # so the nucleus is the smallest prefix whose mass is >= top_p (and never empty).
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, sorted_index, drop_sorted)
+        result = result.masked_fill(drop, float("-inf"))
+    return result
+
+
+def sample_next_tokens(
+    logits: Tensor,
+    *,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    generator: torch.Generator,
+) -> tuple[Tensor, Tensor]:
+    """Draw one token per row and return (tokens [A] int64, logprobs [A] float32).
+
+    logits: [A, V] raw next-token logits (any float dtype; the maths is done in float32).
+    temperature 0 is greedy: argmax, with the logprob of the untempered distribution (as vLLM reports it).
+    Otherwise the logprob is of log_softmax(logits / temperature) renormalised over the top-k/top-p set.
+    """
+    logits = logits.float()
+    if temperature == 0:
+        tokens = logits.argmax(dim=-1)
+        logprobs = logits.log_softmax(dim=-1).gather(-1, tokens[:, None])[:, 0]
+        return tokens, logprobs
+    processed = truncate_logits(logits / temperature if temperature != 1.0 else logits, top_p, top_k)
+    processed_logprobs = processed.log_softmax(dim=-1)
+    tokens = draw_from_probabilities(processed_logprobs.exp(), generator)
+    return tokens, processed_logprobs.gather(-1, tokens[:, None])[:, 0]
+
+
+def draw_from_probabilities(probabilities: Tensor, generator: torch.Generator) -> Tensor:
+    """One index per row, drawn with probability proportional to its entry: inverse-CDF sampling with one
+    float64 uniform per row.
+
+    probabilities: [A, V] float, >= 0, each row with a positive sum. Returns [A] int64.
+
+    Why not torch.multinomial: it draws V exponential variates per row, a large share of a CPU decode step; this
+    draws one uniform per row. The cumulative sum is in float64 so that a token of probability 1e-9 next to a
+    mass of 0.5 keeps its share. A zero-probability index is never returned: the first index whose cumulative
+    sum exceeds u * total is one where the sum grew.
+    """
+    cumulative = probabilities.double().cumsum(dim=-1)
+    total = cumulative[:, -1:]
+    uniform = torch.rand(total.shape, dtype=torch.float64, generator=generator, device=probabilities.device)
+    # u < 1, but u * total can round up to total: keep the target strictly below it.
+    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cumulative, target, right=True)[:, 0]

@@ -3,19 +3,73 @@ the (possibly FSDP2-sharded) policy and load them into the engine in size-bounde
 is never materialised at once on top of the sharded one.
 
 Every rank must call `sync_weights` at the same point: gathering a sharded tensor is a collective.
+
+A bucket never splits a decoder layer (`weight_group`): vLLM rebuilds a fused q/k/v or gate/up module only from
+parts loaded in the same reload call, and a half-written one gives wrong logprobs (vLLM 0.32 CPU).
 """
 from __future__ import annotations
 
+import itertools
+import re
 import time
 from contextlib import contextmanager
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from models.lora import merged_state_dict
-from rollout.buckets import bucketed, tensor_bytes
 
 DEFAULT_BUCKET_BYTES = 1 << 30
+# "model.layers.12.self_attn.q_proj.weight" -> "model.layers.12."; the first dotted integer ends the prefix.
+_LAYER_PREFIX = re.compile(r"^(.*?\.\d+\.)")
+
+
+def weight_group(name: str) -> str:
+    """The unit a weight must be loaded with: its decoder layer ("model.layers.12."), else its module
+    ("model.embed_tokens", "model.norm", "lm_head").
+
+    >>> weight_group("model.layers.12.self_attn.q_proj.weight"), weight_group("model.norm.weight")
+    ('model.layers.12.', 'model.norm')
+    """
+    match = _LAYER_PREFIX.match(name)
+    if match:
+        return match.group(1)
+    return name.rsplit(".", 1)[0] if "." in name else name
+
+
+def tensor_bytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def bucketed(named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+    """Regroup a stream of (name, tensor) into lists of whole weight groups (see `weight_group`).
+
+    Each yielded bucket holds at most `bucket_bytes`, except a bucket made of one group that alone is
+    larger. The stream is read lazily: at most one bucket plus one group being collected are held at a
+    time, so the peak is about bucket_bytes + one decoder layer, never the whole model. A group's tensors
+    must arrive consecutively (HF state-dict order does this).
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    bucket, bucket_size, finished_groups = [], 0, set()
+    for key, tensors in itertools.groupby(named_tensors, key=lambda named: weight_group(named[0])):
+        group = list(tensors)
+        if key in finished_groups:
+            raise ValueError(
+                f"weight {group[0][0]!r} belongs to group {key!r}, which already ended earlier in the stream: "
+                f"a group's tensors must be consecutive so it is never split across buckets"
+            )
+        finished_groups.add(key)
+        group_size = sum(tensor_bytes(tensor) for _, tensor in group)
+        if bucket and bucket_size + group_size > bucket_bytes:
+            yield bucket
+            bucket, bucket_size = [], 0
+        bucket += group
+        bucket_size += group_size
+    if bucket:
+        yield bucket
 
 
 @contextmanager
@@ -43,17 +97,10 @@ def sync_weights(model, engine, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
     Returns metrics: sync/seconds (wall time, including the gathers), sync/load_seconds (inside the
     engine), sync/bytes (full tensors streamed), sync/buckets, sync/max_bucket_bytes.
     """
-    start = time.perf_counter()
-    load_seconds = 0.0
-    total_bytes = 0
-    buckets = 0
-    max_bucket_bytes = 0
+    start, load_seconds, sizes = time.perf_counter(), 0.0, []
     with updating_weights(engine):
         for bucket in bucketed(merged_state_dict(model), bucket_bytes):
-            size = sum(tensor_bytes(tensor) for _, tensor in bucket)
-            total_bytes += size
-            max_bucket_bytes = max(max_bucket_bytes, size)
-            buckets += 1
+            sizes.append(sum(tensor_bytes(tensor) for _, tensor in bucket))
             load_start = time.perf_counter()
             engine.update_weights(bucket)
             load_seconds += time.perf_counter() - load_start
@@ -65,7 +112,7 @@ def sync_weights(model, engine, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> 
     return {
         "sync/seconds": time.perf_counter() - start,
         "sync/load_seconds": load_seconds,
-        "sync/bytes": float(total_bytes),
-        "sync/buckets": float(buckets),
-        "sync/max_bucket_bytes": float(max_bucket_bytes),
+        "sync/bytes": float(sum(sizes)),
+        "sync/buckets": float(len(sizes)),
+        "sync/max_bucket_bytes": float(max(sizes, default=0)),
     }

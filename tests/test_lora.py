@@ -17,8 +17,8 @@ from models.lora import (
     save_lora_checkpoint, save_merged,
 )
 from tiny import tiny_model
-from rollout.buckets import bucketed
 from rollout.hf_engine import HFEngine
+from rollout.sync import bucketed
 
 VOCAB = 4096  # a small vocabulary keeps each step cheap; the layout is the same as at 49,152
 RANK, ALPHA = 4, 8.0

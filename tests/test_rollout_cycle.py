@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 
 from launch.plan import CUDA_VLLM_CYCLE
-from rollout.buckets import weight_group
-from rollout.sync import sync_weights
+from rollout.sync import sync_weights, weight_group
 from rollout.vllm_engine import VLLMEngine
 from tiny import tiny_model
 

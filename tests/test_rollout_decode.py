@@ -1,7 +1,7 @@
-"""The transformers engine's fast decoding loop (preallocated KV cache, native grouped-query attention, the
-written-out decode step, sliced head, inverse-CDF draws) against plain transformers, on tiny random Llama and
-Qwen3 models: greedy tokens identical to `model.generate`, finished rows dropped without changing the others,
-and sampled logprobs equal to the trainer's recomputation within 1e-4."""
+"""The transformers engine's CPU fast path (rollout.cpu_decode: written-out prefill and decode step, shared-prompt
+KV buffers, native grouped-query attention, oneDNN-reordered projections) and its inverse-CDF draws against plain
+transformers, on tiny random Llama and Qwen3 models: greedy tokens identical to `model.generate`, finished rows
+dropped without changing the others, and sampled logprobs equal to the trainer's recomputation within 1e-4."""
 from __future__ import annotations
 
 import pytest
@@ -11,9 +11,8 @@ from models import load_tokenizer
 from models.batching import pad_batch
 from models.logprobs import completion_logprobs
 from tiny import tiny_model
-from rollout.decode_step import supports_decode_step
+from rollout.cpu_decode import CPUDecoding, KVBuffer, supported
 from rollout.hf_engine import HFEngine
-from rollout.kv_cache import preallocated_cache
 
 # Prompts of different lengths, so rows are left-padded by different amounts.
 PROMPTS = [[1, 504, 3458, 282, 77, 9021], [1, 18, 19], [1, 4000, 12, 13, 14]]
@@ -40,7 +39,7 @@ def test_greedy_tokens_equal_transformers_generate(tokenizer, arch, attention):
     model = tiny_model(arch)
     model.config._attn_implementation = attention  # eager: the engine keeps the model's own forward
     engine = HFEngine(model, tokenizer, eos_token_ids=[])
-    assert engine._step_by_hand == (attention == "sdpa")  # the path under test is the one intended
+    assert supported(model) == (attention == "sdpa")  # the path under test is the one intended
     completions = engine.generate(PROMPTS, n=2, max_new_tokens=12, temperature=0.0, top_p=1.0, top_k=0,
                                   stop=None, seed=None)
     expected = reference_greedy(model, PROMPTS, 12)
@@ -107,27 +106,27 @@ def test_same_seed_same_sample_and_stop_strings_cut(tokenizer):
 
 
 def test_decode_step_support_is_limited_to_llama_family():
-    assert supports_decode_step(tiny_model("llama")) and supports_decode_step(tiny_model("qwen3"))
+    assert supported(tiny_model("llama")) and supported(tiny_model("qwen3"))
     model = tiny_model("llama")
     model.config.model_type = "gemma"  # a different architecture: the model's own forward is used
-    assert not supports_decode_step(model)
+    assert not supported(model)
     model = tiny_model("qwen3")
     model.config.sliding_window, model.config.use_sliding_window = 4, True
-    assert not supports_decode_step(model)
+    assert not supported(model)
 
 
-def test_preallocated_cache_appends_selects_rows_and_refuses_overflow():
-    cache = preallocated_cache(num_layers=1, capacity=4)
+def test_kv_buffer_appends_selects_rows_and_refuses_overflow():
+    cache = KVBuffer(capacity=4)
     first = torch.arange(2 * 1 * 3 * 2, dtype=torch.float32).view(2, 1, 3, 2)  # [rows, heads, tokens, dim]
-    keys, values = cache.update(first, -first, 0)
+    keys, values = cache.append(first, -first)
     assert keys.shape == (2, 1, 3, 2) and torch.equal(keys, first) and torch.equal(values, -first)
-    cache.batch_select_indices(torch.tensor([1, 1, 0]))
+    cache.keep(torch.tensor([1, 1, 0]))
     step = torch.full((3, 1, 1, 2), 7.0)
-    keys, _ = cache.update(step, step, 0)
+    keys, _ = cache.append(step, step)
     assert torch.equal(keys[:, :, :3], first[[1, 1, 0]]) and torch.equal(keys[:, :, 3:], step)
-    assert cache.get_seq_length() == 4
+    assert cache.length == 4
     with pytest.raises(ValueError, match="KV cache overflow: 5 tokens in a cache allocated for 4"):
-        cache.update(step, step, 0)
+        cache.append(step, step)
 
 
 def with_biases(model):
@@ -142,29 +141,23 @@ def with_biases(model):
 
 @pytest.mark.parametrize("arch, biases", [("llama", False), ("qwen3", False), ("llama", True)])
 def test_reordered_projections_equal_the_modules_within_float_rounding(arch, biases):
-    """decode_step on pack_decode_weights' stacked, oneDNN-reordered projections against decode_step calling
-    the modules, from the same prefilled cache: hidden states and head logits equal to float rounding."""
-    from models.attention import SDPA_NATIVE_GQA, attention_implementation
-    from rollout.decode_step import decode_step, linear, pack_decode_weights
-    from rollout.hf_engine import _project
-
+    """A decode step on CPUDecoding's stacked, oneDNN-reordered projections against one calling the modules,
+    after the same prefill: hidden states and head logits equal to float rounding."""
     model = tiny_model(arch)
     if biases:
         with_biases(model)
-    decoder, head = model.get_decoder(), model.get_output_embeddings()
-    weights = pack_decode_weights(decoder, head, rows=3)
-    assert weights is not None and len(weights.layers) == 2
+    packed, modules = CPUDecoding(model, prompts=3, n=1, capacity=1), CPUDecoding(model, prompts=3, n=1, capacity=1)
+    assert all(projection.weight is not None for layer in packed.projections for projection in layer)
+    assert len(packed.projections) == 2 and packed.head.weight is not None
+    for projection in [modules.head, *(projection for layer in modules.projections for projection in layer)]:
+        projection.weight = None  # call the modules, as for a LoRA-wrapped projection
     prompt = torch.tensor([PROMPTS[0]] * 3)
     outputs = []
-    with torch.no_grad(), attention_implementation(model, SDPA_NATIVE_GQA):
-        for packed in (None, weights):
-            cache = preallocated_cache(2, prompt.shape[1] + 1)
-            decoder(input_ids=prompt, position_ids=torch.arange(prompt.shape[1])[None].expand(3, -1),
-                    past_key_values=cache, use_cache=True)
-            hidden = decode_step(decoder, torch.tensor([[5], [77], [4000]]), torch.zeros(3, 1, 1, prompt.shape[1] + 1),
-                                 torch.full((3, 1), prompt.shape[1]), cache, packed)
-            logits = _project(hidden, head.weight, head.bias) if packed is None else linear(hidden, packed.head, None)
-            outputs.append((hidden, logits))
+    with torch.no_grad():
+        for decoding in (modules, packed):
+            decoding.prefill(prompt, torch.ones_like(prompt), torch.arange(prompt.shape[1])[None].expand(3, -1))
+            hidden = decoding.decode(torch.tensor([5, 77, 4000]), torch.full((3, 1), prompt.shape[1]))
+            outputs.append((hidden, decoding.head(hidden)[0]))
     (hidden, logits), (packed_hidden, packed_logits) = outputs
     assert hidden.abs().max() > 0.1  # a real signal, not zeros
     torch.testing.assert_close(packed_hidden, hidden, atol=1e-5, rtol=1e-5)
@@ -174,9 +167,8 @@ def test_reordered_projections_equal_the_modules_within_float_rounding(arch, bia
 def test_lora_wrapped_projections_are_not_reordered():
     """A LoRA-wrapped projection computes more than its base weight: the engine keeps calling the modules."""
     from models.lora import apply_lora
-    from rollout.decode_step import pack_decode_weights
 
     model = tiny_model("llama")
-    assert pack_decode_weights(model.get_decoder(), model.get_output_embeddings(), rows=2) is not None
+    assert all(qkv.weight is not None for qkv, *_ in CPUDecoding(model, prompts=2, n=1, capacity=1).projections)
     apply_lora(model, rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"], seed=0)
-    assert pack_decode_weights(model.get_decoder(), model.get_output_embeddings(), rows=2) is None
+    assert all(qkv.weight is None for qkv, *_ in CPUDecoding(model, prompts=2, n=1, capacity=1).projections)

@@ -67,8 +67,8 @@ def test_update_weights_copies_by_name_unless_shared(tokenizer):
 def test_each_prompt_is_prefilled_once(tokenizer):
     model = tiny_model()
     batch_shapes = []
-    # The embedding sees every forward: the prefill (the decoder's forward) and each decode step (which runs the
-    # decoder's modules itself, rollout.decode_step).
+    # The embedding sees every forward: the prefill and each decode step (rollout.cpu_decode calls the decoder's
+    # modules itself).
     model.model.embed_tokens.register_forward_hook(lambda module, args, output: batch_shapes.append(tuple(output.shape)))
     completions = sample(HFEngine(model, tokenizer, eos_token_ids=[]), n=3, max_new_tokens=2)
     # The 2 prompts (left-padded to 4) run once; their caches then serve 3 rows each.

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rollout.engine import validate_request
-from rollout.sampling import draw_from_probabilities, sample_next_tokens, truncate_logits
+from rollout.hf_engine import draw_from_probabilities, sample_next_tokens, truncate_logits
 
 # Probabilities 0.5, 0.3, 0.15, 0.05 as logits (softmax of log p is p).
 PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from tiny import tiny_model
-from rollout.buckets import bucketed, tensor_bytes, weight_group
-from rollout.sync import sync_weights
+from rollout.sync import bucketed, sync_weights, tensor_bytes, weight_group
 
 
 class RecordingEngine:
