@@ -131,8 +131,6 @@ def factqa_example(completion: str, ground_truth: object, *, relaxed: bool = Fal
 
     >>> factqa_example("<think>It is the capital of France.</think><answer>Paris</answer>", "Paris;City of Light")
     {'answer': 'Paris', 'attempted': True, 'correct': True, 'format_ok': True}
-    >>> factqa_example("<answer>I don't know</answer>", "Paris")["attempted"]
-    False
     """
     aliases = parse_aliases(ground_truth)
     answer = extract_block(completion, "answer")

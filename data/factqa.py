@@ -32,12 +32,8 @@ DATASET_NAMES = {
 
 def _aliases(values: list[str]) -> list[str]:
     """Strip, drop empties and duplicates (first kept); `;` inside an alias becomes `,` since `;` separates them."""
-    seen: dict[str, None] = {}
-    for value in values:
-        alias = " ".join(value.replace(";", ",").split())
-        if alias:
-            seen.setdefault(alias, None)
-    return list(seen)
+    cleaned = (" ".join(value.replace(";", ",").split()) for value in values)
+    return list(dict.fromkeys(alias for alias in cleaned if alias))
 
 
 def factqa_row(question: str, aliases: list[str], *, index: int, split: str, dataset: str, **extra_info) -> dict:

@@ -14,9 +14,9 @@ import argparse
 import random
 from pathlib import Path
 
-from data.evidence import LABELS, evidence_row
 from data.jsonio import exit_on_bad_input
 from data.rows import write_rows
+from data.scifact import LABELS, evidence_row
 
 FIRST_SYLLABLES = ("Zor", "Quen", "Brim", "Tal", "Vex", "Mor", "Kel", "Dra", "Pel", "Sor", "Ulm", "Fen", "Gar", "Hol",
                    "Nix", "Yar")

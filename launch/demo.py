@@ -23,23 +23,17 @@ import sys
 import time
 from pathlib import Path
 
-from data.jsonio import iter_jsonl
 from data.rows import write_rows
 from data.synthetic import generate_rows
 from grpo.evaluate import summarize
 from grpo.stats import paired_difference
 from launch.config import load_config
 from launch.dist import init_distributed
-from launch.plot import training_curves
+from launch.plot import read_metrics, training_curves
 from launch.train import run
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 METRICS = (("reward", "reward"), ("format", "format"), ("acc", "label accuracy"), ("evidence", "evidence"))
-
-
-def _interval(values: list) -> str:
-    mean, low, high = values
-    return f"{mean:.3f} [{low:.3f}, {high:.3f}]"
 
 
 def _difference(before: dict, after: dict, metric: str) -> str:
@@ -58,7 +52,7 @@ def table(rows: list[tuple[str, dict, str | None, dict | None]]) -> str:
              "| model | " + " | ".join(label for _, label in metrics) + " | change in reward | change in accuracy |",
              "|---|" + "---|" * (len(metrics) + 2)]
     for name, result, start, start_result in rows:
-        cells = [_interval(result["means"][key]) for key, _ in metrics]
+        cells = ["{:.3f} [{:.3f}, {:.3f}]".format(*result["means"][key]) for key, _ in metrics]  # mean [interval]
         changes = ["-", "-"] if start_result is None else [
             f"{_difference(start_result, result, key)} vs {start}" for key in ("reward", "acc")]
         lines.append(f"| {name} | " + " | ".join(cells + changes) + " |")
@@ -71,7 +65,7 @@ def curves(arms: list[tuple[str, Path, int, dict, dict]], path: Path) -> None:
     an arm's held-out points are those it logged (trainer.eval_every), plus its start and end results."""
     runs = {}
     for name, run_dir, offset, start, end in arms:
-        records = [record for _, record in iter_jsonl(run_dir / "metrics.jsonl")]
+        records = read_metrics(run_dir / "metrics.jsonl")
         evaluated = {record["step"] for record in records if "eval/reward" in record}
         if 0 not in evaluated:  # the arm started from the previous arm's end (or from the base model)
             records.insert(0, {"step": 0, **summarize(start)})
@@ -126,7 +120,7 @@ def main(argv=None) -> int:
             (f"GRPO from base ({base_cfg.trainer.steps} steps)", base_grpo["after"], "base", base),
             (f"SFT ({sft_cfg.trainer.steps} steps)", sft["after"], "base", base),
             (f"SFT + GRPO ({rl_cfg.trainer.steps} steps)", rl["after"], "SFT", sft["after"])]
-    flat = [record.get("flat_group_frac") for _, record in iter_jsonl(Path(base_grpo["run_dir"]) / "metrics.jsonl")
+    flat = [record["flat_group_frac"] for record in read_metrics(Path(base_grpo["run_dir"]) / "metrics.jsonl")
             if "flat_group_frac" in record]
     report = table(rows) + (f"\n\nGRPO from the base model: flat-group fraction {sum(flat) / len(flat):.2f} over "
                             f"its {len(flat)} steps (1.00: every group's rewards equal, no gradient).")

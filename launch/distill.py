@@ -77,13 +77,8 @@ def concluding_text(text: str) -> str | None:
 
 def split_reasoning(summary: str) -> str | None:
     """The reasoning before a well-formed final `Final Judgment: \\boxed{X}` line, or None when the summary
-    is unstructured (see the module docstring). The reasoning may be empty.
-
-    >>> split_reasoning("Both say 144.\\n\\n**Final Judgment:** \\\\boxed{A}.")
-    'Both say 144.'
-    >>> split_reasoning("Final Judgment: \\\\boxed{A}. Wait, Final Judgment: \\\\boxed{B}") is None
-    True
-    """
+    is unstructured (see the module docstring). The reasoning may be empty; markdown around the marker and
+    trailing punctuation are allowed ("Both say 144.\\n\\n**Final Judgment:** \\\\boxed{A}.")."""
     span = last_boxed_span(summary)
     marker = last_marker(summary)
     if span is None or marker is None or summary.count("\\boxed{") != 1:

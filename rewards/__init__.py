@@ -97,8 +97,6 @@ def get_reward(data_source_or_path: str) -> RewardFn:
         return function
     if not isinstance(data_source_or_path, str) or not data_source_or_path:
         raise _unknown(str(data_source_or_path), "not a name")
-    if "." not in data_source_or_path and ":" not in data_source_or_path:
-        raise _unknown(data_source_or_path, "not registered")
     try:
         function = load_function(data_source_or_path)
     except ValueError as error:
@@ -107,27 +105,23 @@ def get_reward(data_source_or_path: str) -> RewardFn:
     return function
 
 
-def _check_result(data_source: str, solution_str: str, result: object) -> float | dict:
-    """A reward's result must be a finite number or a dict with a finite "score" and valid sentences."""
-    score = result.get("score") if isinstance(result, dict) else result
-    if not isinstance(score, (int, float)) or not math.isfinite(score):  # bool is an int: True scores 1
-        raise ValueError(f"reward {data_source!r} returned score {score!r}; expected a finite float")
-    if isinstance(result, dict):
-        for start, end, _ in result.get("sentences") or ():
-            if not 0 <= start <= end <= len(solution_str):
-                raise ValueError(f"reward {data_source!r} returned sentence span ({start}, {end}) outside "
-                                 f"the {len(solution_str)}-character solution")
-        return result
-    return float(score)
-
-
 def compute_score(data_source: str, solution_str: str, ground_truth: object,
                   extra_info: dict | None = None) -> float | dict:
-    """verl's entry point: the reward registered for data_source (or named by path) applied to one completion."""
+    """verl's entry point: the reward registered for data_source (or named by path) applied to one completion,
+    checked to be a finite number (returned as a float) or a dict with a finite "score" and valid sentences."""
     if not isinstance(solution_str, str):
         raise TypeError(f"solution_str must be a str, got {type(solution_str).__name__}")
     result = get_reward(data_source)(data_source, solution_str, ground_truth, extra_info)
-    return _check_result(data_source, solution_str, result)
+    score = result.get("score") if isinstance(result, dict) else result
+    if not isinstance(score, (int, float)) or not math.isfinite(score):  # bool is an int: True scores 1
+        raise ValueError(f"reward {data_source!r} returned score {score!r}; expected a finite float")
+    if not isinstance(result, dict):
+        return float(score)
+    for start, end, _ in result.get("sentences") or ():
+        if not 0 <= start <= end <= len(solution_str):
+            raise ValueError(f"reward {data_source!r} returned sentence span ({start}, {end}) outside "
+                             f"the {len(solution_str)}-character solution")
+    return result
 
 
 register("scifact_evidence", scifact_evidence_reward)

@@ -24,6 +24,7 @@ import unicodedata
 from collections.abc import Callable
 
 from rewards.cooccurrence import CooccurrenceCounter
+from rewards.corpus import CorpusIndex
 from rewards.parsing import extract_block, load_ground_truth, split_sentences, think_answer_format
 from rewards.triples import RuleTripleExtractor, query_words
 
@@ -44,11 +45,7 @@ ALIAS_KEYS = ("aliases", "answers", "answer", "target")
 
 
 def count_reward(count: int | None) -> float:
-    """Sentence reward for a co-occurrence count (None: no triple or nothing to query).
-
-    >>> [count_reward(count) for count in (None, 0, 1, 4, 5, 19, 20, 10**6)]
-    [0.0, -0.3, -0.1, -0.1, 0.0, 0.0, 0.1, 0.1]
-    """
+    """Sentence reward for a co-occurrence count (None: no triple or nothing to query), by COUNT_REWARDS."""
     if count is None:
         return 0.0
     for threshold, reward in COUNT_REWARDS:
@@ -96,11 +93,7 @@ def parse_aliases(ground_truth: object) -> list[str]:
 
 def judge_answer(answer: str | None, aliases: list[str]) -> float:
     """+2 when the normalised answer equals an alias or one contains the other at word boundaries
-    ("paris" and "paris france" match, "us" and "houses" do not); -1 otherwise, when empty or a refusal.
-
-    >>> judge_answer("Paris, France", ["paris"]), judge_answer("I don't know.", ["paris"]), judge_answer(None, ["x"])
-    (2.0, -1.0, -1.0)
-    """
+    ("paris" and "paris france" match, "us" and "houses" do not); -1 otherwise, when empty or a refusal."""
     if answer is None:
         return JUDGE_WRONG
     prediction = normalize_answer(answer)
@@ -144,8 +137,7 @@ def make_factqa_reward(counter: CooccurrenceCounter, extractor=None, *, window: 
 
     def factqa_reward(data_source: str, solution_str: str, ground_truth: object,
                       extra_info: dict | None = None) -> dict:
-        aliases = parse_aliases(ground_truth)
-        judge_score = judge_answer(extract_block(solution_str, "answer"), aliases)
+        judge_score = judge(solution_str, ground_truth)
         format_score = format_reward(solution_str)
         sentences, queried = sentence_rewards(solution_str, counter, extractor, window=window,
                                               max_sentences=max_sentences)
@@ -171,7 +163,5 @@ def factqa_corpus_reward(data_source: str, solution_str: str, ground_truth: obje
                          "--out DIR), or register make_factqa_reward(counter) under your own name")
     reward = _REWARDS_BY_INDEX.get(str(path))
     if reward is None:
-        from rewards.corpus import CorpusIndex  # imported here: infini-gram loads only when an index is used
-
         reward = _REWARDS_BY_INDEX[str(path)] = make_factqa_reward(CorpusIndex(path))
     return reward(data_source, solution_str, ground_truth, extra_info)

@@ -108,12 +108,8 @@ class RuleTripleExtractor:
     """Deterministic heuristic extractor: the relation is the first verb-like word after the first word;
     the head is the last name (capitalised/numeric run) before it, else its last content words; the tail
     is the first name after it, else its first content words. A pronoun right before the relation
-    (the subject) or right after it (the object) rejects the sentence.
-
-    >>> RuleTripleExtractor().extract("In 1903, Marie Curie won the Nobel Prize in Physics.")
-    Triple(head='Marie Curie', relation='won', tail='Nobel Prize')
-    >>> RuleTripleExtractor().extract("She won the Nobel Prize.") is None
-    True
+    (the subject) or right after it (the object) rejects the sentence: "In 1903, Marie Curie won the Nobel
+    Prize in Physics." gives (Marie Curie, won, Nobel Prize), "She won the Nobel Prize." nothing.
     """
 
     def extract(self, sentence: str) -> Triple | None:
@@ -145,9 +141,6 @@ class ModelTripleExtractor:
     (parse_triple; the corpus paper's extractor also takes the first valid triple), else None. An exception
     inside generate_fn propagates: a failing extractor must not look like a sentence without facts.
     launch.triples builds generate_fn from a local causal LM (greedy decoding).
-
-    >>> ModelTripleExtractor(lambda prompt: " Marie Curie | won | Nobel Prize\\nextra").extract("...")
-    Triple(head='Marie Curie', relation='won', tail='Nobel Prize')
     """
 
     def __init__(self, generate_fn: Callable[[str], str], template: str | None = None) -> None:
@@ -171,13 +164,6 @@ def parse_triple(output: object) -> Triple | None:
     example (`Sentence:`), so a model that runs on past its answer does not contribute a made-up triple.
     Valid: three non-empty parts of at most 120 characters, head and tail not pronouns and holding a
     content word.
-
-    >>> parse_triple("Triple: (Paris | is capital of | France)")
-    Triple(head='Paris', relation='is capital of', tail='France')
-    >>> parse_triple("he | won | it\\nMarie Curie | won | Nobel Prize")
-    Triple(head='Marie Curie', relation='won', tail='Nobel Prize')
-    >>> parse_triple("NONE\\nParis | is | France"), parse_triple("a | b"), parse_triple("Sentence: x\\nA | b | C")
-    (None, None, None)
     """
     if not isinstance(output, str):
         return None

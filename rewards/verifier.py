@@ -66,13 +66,9 @@ def last_boxed_span(text: str) -> tuple[int, int] | None:
     depth = 0
     content_start = start + len("\\boxed{")
     for position in range(content_start, min(len(text), content_start + _MAX_BOXED_CHARS)):
-        character = text[position]
-        if character == "{":
-            depth += 1
-        elif character == "}":
-            if depth == 0:
-                return content_start, position
-            depth -= 1
+        depth += {"{": 1, "}": -1}.get(text[position], 0)
+        if depth < 0:  # the brace that closes the box
+            return content_start, position
     return None
 
 
@@ -91,11 +87,7 @@ def _last_match(pattern: re.Pattern, text: str) -> re.Match | None:
 def parse_judgment(text: str) -> str | None:
     """"A", "B", "C" or None, tried in order: the last `\\boxed{X}` (`\\text{A}`, `(A)`, `A: ...` accepted);
     else the letter right after the last "Final Judgment:"; else the last xVerify `[Correct]`/`[Incorrect]`.
-
-    >>> texts = ("\\\\boxed{B} then \\\\boxed{\\\\text{A}}", "Final Judgment: C.", "[Incorrect]", "A")
-    >>> [parse_judgment(text) for text in texts]
-    ['A', 'C', 'B', None]
-    """
+    A letter alone is no judgment."""
     span = last_boxed_span(text)
     if span is not None:
         cleaned = _LATEX_COMMAND.sub("", text[span[0]:span[1]]).replace("{", "").replace("}", "").strip()
@@ -136,13 +128,7 @@ def gold_judgment(ground_truth: object) -> str:
 
 def verifier_reward(data_source: str, solution_str: str, ground_truth: object, extra_info: dict | None = None) -> dict:
     """1 when the parsed judgment is on the same side (A versus B/C) as the gold label, else 0 (and 0 when
-    nothing parses).
-
-    >>> verifier_reward("verifier", "The forms are equal. Final Judgment: \\\\boxed{A}", "A")["score"]
-    1.0
-    >>> verifier_reward("verifier", "Final Judgment: \\\\boxed{C}", "B")["score"]
-    1.0
-    """
+    nothing parses)."""
     gold = gold_judgment(ground_truth)
     judged = parse_judgment(solution_str)
     correct = 1.0 if judged is not None and (judged == "A") == (gold == "A") else 0.0

@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 from data import scifact
-from data.evidence import INSTRUCTIONS, evidence_row
+from data.scifact import INSTRUCTIONS, evidence_row
 from data.rows import read_rows
 
 TARGET_FORMAT = "<answer>\n{label}\n</answer>\n\n<evidence>\n{lines}</evidence>"

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from data import synthetic
-from data.evidence import INSTRUCTIONS, evidence_prompt
+from data.scifact import INSTRUCTIONS, evidence_prompt
 from data.rows import read_rows
 
 
