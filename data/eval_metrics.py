@@ -81,18 +81,11 @@ def scifact_example(completion: str, ground_truth: object, *, relaxed: bool = Fa
         label = start_label
     evidence_f1 = evidence_score(items, gold_bags)
     matched = Counter(map(normalize_text, items)) & Counter(map(normalize_text, gold_evidence))
-    return {
-        "predicted_label": label,
-        "gold_label": gold,
-        "correct": label == gold,
-        "prefix_label": start_label,
-        "format_ok": format_score == 1 and block_label in LABELS,
-        "evidence_f1": evidence_f1,
-        "evidence_predicted": len(items),
-        "evidence_gold": len(gold_evidence),
-        "evidence_matched": sum(matched.values()),
-        "unsupported": label in (SUPPORTS, REFUTES) and evidence_f1 < EVIDENCE_CAP_BELOW,
-    }
+    return {"predicted_label": label, "gold_label": gold, "correct": label == gold, "prefix_label": start_label,
+            "format_ok": format_score == 1 and block_label in LABELS, "evidence_f1": evidence_f1,
+            "evidence_predicted": len(items), "evidence_gold": len(gold_evidence),
+            "evidence_matched": sum(matched.values()),
+            "unsupported": label in (SUPPORTS, REFUTES) and evidence_f1 < EVIDENCE_CAP_BELOW}
 
 
 def scifact_metrics(examples: list[dict]) -> dict:

@@ -4,7 +4,7 @@ count_cooccurrence(head_words, tail_words, window) counts how often every query 
 `window` tokens of the others. Each element of head_words/tail_words is one phrase (an AND term); a phrase
 matches where any of its token variants does (an OR, e.g. with and without a leading space for byte-level
 BPE); a phrase holding a word the tokenizer does not know makes the count 0. The corpus index
-(rewards/corpus.py) gets the positions from infini-gram; MemoryCounter here gets them from a token array.
+(rewards/corpus.py) gets the positions from infini-gram (tests/memory_counter.py from a token array).
 Two definitions of "within the window", chosen per counter or per call:
 
 "engine" (default): exactly infini-gram's `count_cnf(cnf, max_diff_tokens=window)`, the count the corpus
@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 import unicodedata
 from abc import ABC, abstractmethod
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
@@ -119,10 +119,7 @@ class WordTokenizer:
 
     @classmethod
     def fit(cls, texts: Iterable[str]) -> WordTokenizer:
-        counts: dict[str, int] = {}
-        for text in texts:
-            for word in cls.words(text):
-                counts[word] = counts.get(word, 0) + 1
+        counts = Counter(word for text in texts for word in cls.words(text))
         return cls(sorted(counts, key=lambda word: (-counts[word], word)))
 
     def encode(self, text: str) -> list[int]:
@@ -238,46 +235,3 @@ def _check_semantics(semantics: str) -> str:
     if semantics not in SEMANTICS:
         raise ValueError(f"co-occurrence semantics must be one of {SEMANTICS}, got {semantics!r}")
     return semantics
-
-
-class MemoryCounter(CooccurrenceCounter):
-    """The same counts from an in-memory token array (tests, small corpora): documents laid out as in the
-    index, each preceded by one separator token (-1), so positions and windows agree with CorpusIndex.
-
-    >>> counter = MemoryCounter(["Marie Curie won the Nobel Prize.", "Paris is in France.", "Curie, Nobel."])
-    >>> counter.count_cooccurrence(["Marie Curie"], ["Nobel"]), counter.count_cooccurrence(["zebra"], ["Nobel"])
-    (1, 0)
-
-    The second "Curie, Nobel." has its partner right after it, but the engine's range also takes the nearer
-    "Nobel" of the first document on its left, crosses two separators and is dropped:
-
-    >>> counter.count_cooccurrence(["Curie"], ["Nobel"]), counter.count_cooccurrence(["Curie"], ["Nobel"], 5)
-    (1, 2)
-    >>> counter.count_cooccurrence(["Curie"], ["Nobel"], semantics="document")
-    2
-    """
-
-    def __init__(self, texts: Iterable[str], *, tokenizer: WordTokenizer | ExternalTokenizer | None = None,
-                 semantics: str = "engine") -> None:
-        texts = list(texts)
-        super().__init__(tokenizer if tokenizer is not None else WordTokenizer.fit(texts), semantics=semantics)
-        encoded = [[-1, *self.tokenizer.encode(text)] for text in texts]
-        self.tokens = np.asarray([token for ids in encoded for token in ids], dtype=np.int64)
-        self.document_starts = np.cumsum([0, *(len(ids) for ids in encoded)])[:-1].astype(np.int64)
-        order = np.argsort(self.tokens, kind="stable")  # positions grouped by id, ascending within an id
-        unique_ids, firsts = np.unique(self.tokens[order], return_index=True)
-        ends = np.append(firsts[1:], len(order))
-        self._positions_by_id = {int(token): order[first:end]
-                                 for token, first, end in zip(unique_ids, firsts, ends)}
-
-    def _clause(self, variants: list[list[int]]) -> Clause:
-        found = []
-        for ids in variants:
-            candidates = self._positions_by_id.get(ids[0], np.zeros(0, dtype=np.int64))
-            for offset, token in enumerate(ids[1:], start=1):
-                candidates = candidates[candidates + offset < len(self.tokens)]
-                candidates = candidates[self.tokens[candidates + offset] == token]
-            found.append(candidates)
-        positions = np.unique(np.concatenate(found)).astype(np.int64)
-        documents = np.searchsorted(self.document_starts, positions, side="right") - 1
-        return Clause(positions, documents, 1.0, len(positions))

@@ -14,7 +14,7 @@ correct (0/1), sentence_count, sentences_queried, sentence_reward_mean.
 
 The registered `factqa_corpus` opens the index named by extra_info["corpus_index"] or the environment
 variable NANOGRPO_CORPUS_INDEX (once per path); make_factqa_reward(counter, extractor) builds one for any
-counter (e.g. MemoryCounter, or a CorpusIndex with the policy's tokenizer) to register yourself.
+counter (e.g. a CorpusIndex with the policy's tokenizer) to register yourself.
 """
 from __future__ import annotations
 

@@ -138,14 +138,9 @@ def gated_score(format_score: float, gold: str, predicted_label: str, answer: fl
     if format_score < 1:
         return 0.0
     if gold == NOT_ENOUGH_INFO:
-        if not items:
-            nei_evidence = 1.0
-        elif len(items) <= NEI_SHORT_ITEMS and all(
-                len(normalize_text(item).split()) <= NEI_SHORT_WORDS for item in items):
-            nei_evidence = 0.5
-        else:
-            nei_evidence = 0.0
-        return 0.8 * answer + 0.2 * nei_evidence
+        short = len(items) <= NEI_SHORT_ITEMS and all(len(normalize_text(item).split()) <= NEI_SHORT_WORDS
+                                                      for item in items)
+        return 0.8 * answer + 0.2 * (1.0 if not items else 0.5 if short else 0.0)
     if predicted_label == NOT_ENOUGH_INFO:  # a hedge on a decidable claim earns almost nothing
         return 0.05
     score = 0.35 * answer + 0.55 * evidence + 0.10 * conciseness

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from bench.cooccurrence import engine_count
+from memory_counter import MemoryCounter
 from rewards import compute_score
-from rewards.cooccurrence import ExternalTokenizer, MemoryCounter
+from rewards.cooccurrence import ExternalTokenizer
 from rewards.corpus import CorpusIndex, build_index
 from rewards.factqa import count_reward
 from rewards.token_layout import MAX_PAIR_ID, MAX_SINGLE_ID
@@ -129,6 +130,17 @@ def test_subsampled_counts_equal_the_engine(scifact_index):
         for window in (1, 10, 1000):
             assert index.count_cooccurrence(head, tail, window) == engine_count(index, head, tail, window)
     assert index.clause("the").scale > 1 and len(index.clause("the").positions) <= 500
+
+
+def test_memory_counter_on_three_documents():
+    counter = MemoryCounter(["Marie Curie won the Nobel Prize.", "Paris is in France.", "Curie, Nobel."])
+    assert counter.count_cooccurrence(["Marie Curie"], ["Nobel"]) == 1
+    assert counter.count_cooccurrence(["zebra"], ["Nobel"]) == 0
+    # The second "Curie, Nobel." has its partner right after it, but the engine's range also takes the nearer
+    # "Nobel" of the first document on its left, crosses two separators and is dropped (a 5-token window keeps it):
+    assert counter.count_cooccurrence(["Curie"], ["Nobel"]) == 1
+    assert counter.count_cooccurrence(["Curie"], ["Nobel"], 5) == 2
+    assert counter.count_cooccurrence(["Curie"], ["Nobel"], semantics="document") == 2
 
 
 def test_windows_do_not_cross_documents(tmp_path):

@@ -1,8 +1,8 @@
 """Factual-QA reward: count thresholds, the string-match judge, format, triple extraction, the combined reward."""
 import pytest
 
+from memory_counter import MemoryCounter
 from rewards import compute_score, register
-from rewards.cooccurrence import MemoryCounter
 from rewards.factqa import (
     count_reward,
     factqa_corpus_reward,

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from memory_counter import MemoryCounter
 from rewards import compute_score
-from rewards.cooccurrence import MemoryCounter
 from rewards.factqa import COUNT_REWARDS, make_factqa_reward
 from rewards.parsing import find_block, normalize_text, scoring_regions, split_sentences, token_f1
 from rewards.triples import PRONOUNS, RuleTripleExtractor, parse_triple
