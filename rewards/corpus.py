@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from rewards.cooccurrence import Clause, CooccurrenceCounter, ExternalTokenizer, WordTokenizer
-from rewards.index_build import (_ENGINE_NAME_PARTS, FORMAT, META_FILE, TOKEN_WIDTH, VERSION, VOCAB_FILE,
-                                 _engine_safe, build_command, build_index)
-from rewards.token_layout import TOKENS_PER_ID, separator, storable, stored_tokens
+from rewards.index_build import (_ENGINE_NAME_PARTS, FORMAT, META_FILE, TOKEN_WIDTH, TOKENS_PER_ID, VERSION,
+                                 VOCAB_FILE, _engine_safe, build_command, build_index, separator, storable,
+                                 stored_tokens)
 
 
 def check_index(path: Path) -> dict:

@@ -19,7 +19,7 @@ from rewards import compute_score
 from rewards.cooccurrence import ExternalTokenizer
 from rewards.corpus import CorpusIndex, build_index
 from rewards.factqa import count_reward
-from rewards.token_layout import MAX_PAIR_ID, MAX_SINGLE_ID
+from rewards.index_build import MAX_PAIR_ID, MAX_SINGLE_ID
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["Marie Curie won the Nobel Prize in Physics.", "Paris is the capital of France.",
