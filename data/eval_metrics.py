@@ -39,13 +39,7 @@ def prefix_label(text: str) -> str | None:
     write the answer block. Reasoning up to the last `</think>` is skipped; then only an `<answer>` tag,
     markdown marks and an "Answer:"/"Label:"/"Verdict:" lead-in may come before the label word. A model
     that echoes the instruction ("Does the text support or refute...") gets no label, where reading the
-    first label word anywhere would credit it with SUPPORTS.
-
-    >>> prefix_label("**Answer:** Refuted."), prefix_label("<think>It may support it.</think>\\n\\nNEI")
-    ('REFUTES', 'NOT_ENOUGH_INFO')
-    >>> prefix_label("Does the text support or refute the claim?"), prefix_label("SUPPORTSX")
-    (None, None)
-    """
+    first label word anywhere would credit it with SUPPORTS."""
     think_end = text.lower().rfind("</think>")
     reply = text[think_end + len("</think>"):] if think_end >= 0 else text
     match = _PREFIX_LABEL.match(reply.lstrip()[:_PREFIX_CHARS])
@@ -63,14 +57,7 @@ def scifact_example(completion: str, ground_truth: object, *, relaxed: bool = Fa
     items of the best token F1 against a gold sentence, 0 when either side is empty); evidence_matched counts
     exact matches (normalize_text equal, each gold sentence once). unsupported: a SUPPORTS/REFUTES label whose
     evidence_f1 is below the reward's cap threshold (0.2), where the reward treats a decisive answer as
-    ungrounded.
-
-    >>> gold = '{"answer": "SUPPORTS", "evidence": ["The sky is blue today."]}'
-    >>> text = "<answer>\\nSUPPORTS\\n</answer>\\n<evidence>\\n[1] the sky is BLUE\\n</evidence>"
-    >>> fields = scifact_example(text, gold)
-    >>> fields["correct"], fields["format_ok"], fields["evidence_matched"], round(fields["evidence_f1"], 4)
-    (True, True, 0, 0.8889)
-    """
+    ungrounded."""
     gold_text, gold_evidence, gold_bags = parse_ground_truth(ground_truth)
     gold = gold_label(gold_text)
     answer, items, format_score, _ = completion_parts(completion)
@@ -120,11 +107,7 @@ def factqa_example(completion: str, ground_truth: object, *, relaxed: bool = Fal
     """Per-example factual-QA fields. The answer is the `<answer>` block (relaxed: the whole completion
     when there is no block, a lenient upper bound). Attempted: a non-empty answer that is not a refusal;
     correct: the reward's judge accepts it (an alias equals, contains or is contained in it at word
-    boundaries); format_ok: the reward's `<think>`/`<answer>` format check.
-
-    >>> factqa_example("<think>It is the capital of France.</think><answer>Paris</answer>", "Paris;City of Light")
-    {'answer': 'Paris', 'attempted': True, 'correct': True, 'format_ok': True}
-    """
+    boundaries); format_ok: the reward's `<think>`/`<answer>` format check."""
     aliases = parse_aliases(ground_truth)
     answer = extract_block(completion, "answer")
     if relaxed and answer is None:
@@ -159,11 +142,7 @@ def verifier_example(completion: str, ground_truth: object, extra_info: dict | N
                      completion_tokens: int | None = None) -> dict:
     """Per-example verifier fields: the parsed judgment (the reward's parser, already lenient, so relaxed
     mode changes nothing here), correct when it is on the gold side of A versus B/C, the domain from
-    extra_info["domain"] (None when absent) and the judgment's length in tokens.
-
-    >>> verifier_example("They match. Final Judgment: \\\\boxed{C}", "B", {"domain": "math"}, 9)
-    {'judgment': 'C', 'gold_judgment': 'B', 'correct': True, 'domain': 'math', 'judgment_tokens': 9}
-    """
+    extra_info["domain"] (None when absent) and the judgment's length in tokens."""
     gold = gold_judgment(ground_truth)
     judged = parse_judgment(completion)
     domain = extra_info.get("domain") if isinstance(extra_info, dict) else None

@@ -23,12 +23,8 @@ COLUMNS = ("prompt", "data_source", "ability", "reward_model", "extra_info")
 
 def make_row(messages: list[dict[str, str]], *, data_source: str, ability: str, ground_truth: str, index: int,
              split: str, **extra_info: Any) -> dict:
-    """One row in the project's layout; keyword arguments beyond the named ones go to `extra_info`.
-
-    >>> make_row([{"role": "user", "content": "2+2?"}], data_source="math", ability="arithmetic",
-    ...          ground_truth="4", index=0, split="train", target="4")["extra_info"]
-    {'index': 0, 'split': 'train', 'target': '4'}
-    """
+    """One row in the project's layout; keyword arguments beyond the named ones go to `extra_info` after its
+    index and split."""
     row = {"prompt": [dict(message) for message in messages], "data_source": data_source, "ability": ability,
            "reward_model": {"ground_truth": ground_truth}, "extra_info": {"index": index, "split": split, **extra_info}}
     validate_row(row, "make_row")

@@ -66,8 +66,6 @@ def evidence_target(label: str, evidence: list[str]) -> str:
 
     >>> evidence_target("SUPPORTS", ["The sky is blue."])
     '<answer>\\nSUPPORTS\\n</answer>\\n\\n<evidence>\\n[1] The sky is blue.\\n</evidence>'
-    >>> evidence_target("NOT_ENOUGH_INFO", [])
-    '<answer>\\nNOT_ENOUGH_INFO\\n</answer>\\n\\n<evidence>\\n</evidence>'
     """
     lines = "".join(f"[{k}] {_one_line(sentence)}\n" for k, sentence in enumerate(evidence, start=1))
     return f"<answer>\n{label}\n</answer>\n\n<evidence>\n{lines}</evidence>"

@@ -63,11 +63,7 @@ _REASONING_TRAIL = " \t\r\n*_#-:"
 
 def concluding_text(text: str) -> str | None:
     """The text after the last `</think>`; the whole text when there is no thinking; None when a `<think>`
-    was opened and never closed (the summary was never written).
-
-    >>> concluding_text("<think>long thoughts</think>\\nShort summary."), concluding_text("<think>cut off")
-    ('\\nShort summary.', None)
-    """
+    was opened and never closed (the summary was never written)."""
     lower = text.lower()
     end = lower.rfind("</think>")
     if end >= 0:

@@ -108,11 +108,10 @@ def evaluate_records(engine, tokenizer, records: list[dict], *, max_new_tokens: 
     scorer = Scorer(rewards.compute_score, decode_prefixes=prefix_decoder(tokenizer))
     predictions = []
     for record, ids, completion in zip(records, prompt_ids, completions):
-        reward = None
-        if record["data_source"] in with_reward:
-            row = {"data_source": record["data_source"], "reward_model": {"ground_truth": record["ground_truth"]},
-                   "extra_info": record["extra_info"]}
-            reward = scorer.result(row, completion.text, record["row"])["score"]
+        row = {"data_source": record["data_source"], "reward_model": {"ground_truth": record["ground_truth"]},
+               "extra_info": record["extra_info"]}
+        scored = row["data_source"] in with_reward
+        reward = scorer.result(row, completion.text, record["row"])["score"] if scored else None
         prediction = {key: record[key] for key in ("file", "row", "index", "data_source")}
         prediction.update(prompt=record["messages"][-1]["content"], prompt_tokens=len(ids), completion=completion.text,
                           completion_tokens=len(completion.completion_ids), finish_reason=completion.finish_reason,

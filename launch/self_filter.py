@@ -6,7 +6,7 @@ A question the model always gets right (or never) gives a GRPO group with equal 
 questions are kept when k of G sampled answers are judged correct with `min_correct <= k <= max_correct`
 (default 1 and G-1). Optional "anchors" add back a few always-correct questions, reported to stabilise
 training of 3B/4B models. The rule (self_filter) reaches the model only through `generate_fn`, so it runs in
-tests without one; the command samples with the project's transformers engine.
+tests without one; the command samples with the engine launch.eval and launch.distill use.
 """
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ import random
 from pathlib import Path
 from typing import Callable
 
-import models
 from data.jsonio import exit_on_bad_input
 from data.rows import read_rows, write_rows
+from launch.eval import add_engine_arguments, engine_from_args, resolve_model
+from models import render_prompt
 from rewards import load_function
-from rollout.hf_engine import HFEngine
 
 GenerateFn = Callable[[list[str], int], list[list[str]]]
 JudgeFn = Callable[[str, str], bool]
@@ -120,20 +120,17 @@ def load_judge(spec: str | None) -> JudgeFn:
     return judge
 
 
-def engine_generate_fn(model: str | None, *, max_new_tokens: int, temperature: float, top_p: float,
+def engine_generate_fn(engine, tokenizer, *, max_new_tokens: int, temperature: float, top_p: float,
                        seed: int) -> GenerateFn:
-    """A generate_fn backed by the project's transformers engine; its prompts are chat messages as JSON text.
-
-    Use it with `render=json.dumps` so each prompt is rendered through the model's own chat template
-    (system prompt included) and tokenised exactly once.
+    """A generate_fn on an engine (launch.eval's, from the factory training uses); its prompts are chat messages
+    as JSON text. Use it with `render=json.dumps` so each prompt is rendered through the model's own chat
+    template (system prompt included) and tokenised exactly once.
     """
-    tokenizer = models.load_tokenizer(model)
-    engine = HFEngine(models.load_model(model), tokenizer)
     calls = 0
 
     def generate(prompts: list[str], n: int) -> list[list[str]]:
         nonlocal calls
-        prompt_ids = [models.render_prompt(tokenizer, json.loads(prompt)) for prompt in prompts]
+        prompt_ids = [render_prompt(tokenizer, json.loads(prompt)) for prompt in prompts]
         # A different seed per call: the same seed for every batch would correlate the samples across batches.
         completions = engine.generate(prompt_ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
                                       top_p=top_p, top_k=0, stop=None, seed=seed + calls)
@@ -149,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m launch.self_filter", description=__doc__.splitlines()[0])
     parser.add_argument("--input", required=True, help="factqa rows (.jsonl or .parquet)")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--model", default=None, help="model directory or HF id in the local cache; default: embedded")
+    parser.add_argument("--model", default="default", help="model directory, run directory, 'default', or org/name")
     parser.add_argument("--group-size", type=int, default=8, help="completions sampled per question (G)")
     parser.add_argument("--min-correct", type=int, default=1)
     parser.add_argument("--max-correct", type=int, default=None, help="default: G-1")
@@ -161,13 +158,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--judge", default="rewards.factqa:judge",
                         help="module:function judging (completion_text, ground_truth): bool, or a number > 0 if right")
+    add_engine_arguments(parser)
     args = parser.parse_args(argv)
     rows = read_rows(args.input)
     # Settings and judge are checked before the model loads, so a typo fails in a second, not after a minute.
     check_settings(args.group_size, args.min_correct, args.max_correct, args.anchors, args.batch_size)
     judge_fn = load_judge(args.judge)
-    generate_fn = engine_generate_fn(args.model, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                     top_p=args.top_p, seed=args.seed)
+    engine, tokenizer, _ = engine_from_args(args, resolve_model(args.model))
+    generate_fn = engine_generate_fn(engine, tokenizer, max_new_tokens=args.max_new_tokens,
+                                     temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     kept, stats = self_filter(rows, generate_fn, judge_fn, group_size=args.group_size, min_correct=args.min_correct,
                               max_correct=args.max_correct, anchors=args.anchors, batch_size=args.batch_size,
                               seed=args.seed, render=json.dumps)

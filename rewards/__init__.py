@@ -30,15 +30,7 @@ _REGISTRY: dict[str, RewardFn] = {}
 
 
 def register(data_source: str, fn: RewardFn | None = None, *, overwrite: bool = False):
-    """Register fn under data_source; without fn, return a decorator. A taken name needs overwrite=True.
-
-    >>> @register("doctest_length", overwrite=True)
-    ... def length_reward(data_source, solution_str, ground_truth, extra_info=None):
-    ...     return float(len(solution_str) == int(ground_truth))
-    >>> compute_score("doctest_length", "abc", "3")
-    1.0
-    >>> _ = _REGISTRY.pop("doctest_length")  # keep the registry as shipped
-    """
+    """Register fn under data_source; without fn, return a decorator. A taken name needs overwrite=True."""
     if not isinstance(data_source, str) or not data_source:
         raise ValueError(f"data_source must be a non-empty string, got {data_source!r}")
 

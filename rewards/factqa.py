@@ -55,11 +55,8 @@ def count_reward(count: int | None) -> float:
 
 
 def normalize_answer(text: str) -> str:
-    """NFKD (accents split off, then dropped), lower-case, punctuation removed, articles dropped, spaces collapsed.
-
-    >>> normalize_answer("  The Café-Crème, Inc. ")
-    'cafecreme inc'
-    """
+    """NFKD (accents split off, then dropped), lower-case, punctuation removed, articles dropped, spaces collapsed:
+    "  The Café-Crème, Inc. " -> "cafecreme inc"."""
     text = _NOT_WORD.sub("", unicodedata.normalize("NFKD", text).lower())
     return " ".join(_ARTICLES.sub(" ", text).split())
 
@@ -116,21 +113,20 @@ def format_reward(solution_str: str) -> float:
     return FORMAT_GOOD if think_answer_format(solution_str) else FORMAT_BAD
 
 
-def sentence_rewards(solution_str: str, counter: CooccurrenceCounter, extractor, *, window: int = WINDOW_TOKENS,
-                     max_sentences: int = MAX_SENTENCES) -> tuple[list[tuple[int, int, float]], int]:
-    """([(start, end, r_sent)] for the first max_sentences sentences, how many of them had a query)."""
+def sentence_rewards(solution_str: str, counter: CooccurrenceCounter,
+                     extractor) -> tuple[list[tuple[int, int, float]], int]:
+    """([(start, end, r_sent)] for the first MAX_SENTENCES sentences, how many of them had a query)."""
     sentences, queried = [], 0
-    for start, end in split_sentences(solution_str)[:max_sentences]:
+    for start, end in split_sentences(solution_str)[:MAX_SENTENCES]:
         triple = extractor.extract(solution_str[start:end])
         words = query_words(triple) if triple is not None else None
-        count = counter.count_cooccurrence(words[0], words[1], window) if words is not None else None
+        count = counter.count_cooccurrence(words[0], words[1], WINDOW_TOKENS) if words is not None else None
         queried += count is not None
         sentences.append((start, end, count_reward(count)))
     return sentences, queried
 
 
-def make_factqa_reward(counter: CooccurrenceCounter, extractor=None, *, window: int = WINDOW_TOKENS,
-                       max_sentences: int = MAX_SENTENCES) -> Callable[..., dict]:
+def make_factqa_reward(counter: CooccurrenceCounter, extractor=None) -> Callable[..., dict]:
     """A verl-signature reward `(data_source, solution_str, ground_truth, extra_info=None) -> dict` on
     `counter` (anything with count_cooccurrence) and `extractor` (default RuleTripleExtractor)."""
     extractor = extractor if extractor is not None else RuleTripleExtractor()
@@ -139,8 +135,7 @@ def make_factqa_reward(counter: CooccurrenceCounter, extractor=None, *, window: 
                       extra_info: dict | None = None) -> dict:
         judge_score = judge(solution_str, ground_truth)
         format_score = format_reward(solution_str)
-        sentences, queried = sentence_rewards(solution_str, counter, extractor, window=window,
-                                              max_sentences=max_sentences)
+        sentences, queried = sentence_rewards(solution_str, counter, extractor)
         mean = sum(reward for _, _, reward in sentences) / len(sentences) if sentences else 0.0
         return {"score": judge_score + format_score, "sentences": sentences, "judge": judge_score,
                 "format": format_score, "correct": float(judge_score > 0), "sentence_count": float(len(sentences)),

@@ -39,11 +39,8 @@ _cached_label = functools.lru_cache(maxsize=4096)(_label)
 
 
 def normalize_label(text: str) -> str:
-    """normalize_text, upper-case, spaces to `_`, then the alias table; an unknown label is returned as is.
-
-    >>> [normalize_label(x) for x in ("supported", "Not enough info", "CONTRADICT", "nei", "maybe")]
-    ['SUPPORTS', 'NOT_ENOUGH_INFO', 'REFUTES', 'NOT_ENOUGH_INFO', 'MAYBE']
-    """
+    """normalize_text, upper-case, spaces to `_`, then the alias table ("supported" -> SUPPORTS, "nei" ->
+    NOT_ENOUGH_INFO); an unknown label is returned as is."""
     # labels are few distinct short strings: cache them, never long junk
     return _cached_label(text) if len(text) <= 64 else _label(text)
 
@@ -59,13 +56,7 @@ def gold_label(answer: str) -> str:
 
 def evidence_items(block: str | None) -> list[str]:
     """Evidence lines of an `<evidence>` block: non-empty lines, each without a leading `[n] ` and then a
-    leading `- ` or `* `; when every line empties, the whole stripped block is one item; no block, no items.
-
-    >>> evidence_items("\\n[1] First fact.\\n[2] - Second fact.\\n\\n")
-    ['First fact.', 'Second fact.']
-    >>> evidence_items("[1]"), evidence_items(None)
-    (['[1]'], [])
-    """
+    leading `- ` or `* `; when every line empties, the whole stripped block is one item; no block, no items."""
     if block is None:
         return []
     stripped = block.strip()

@@ -48,11 +48,7 @@ class Triple:
 
 
 def content_words(phrase: str) -> list[str]:
-    """Words of a phrase that are not stopwords or pronouns, in order, case kept (`COVID-19` stays one word).
-
-    >>> content_words("the Nobel Prize in Physics")
-    ['Nobel', 'Prize', 'Physics']
-    """
+    """Words of a phrase that are not stopwords or pronouns, in order, case kept (`COVID-19` stays one word)."""
     return [word for word in _WORD.findall(phrase) if word.lower() not in STOPWORDS]
 
 
@@ -60,12 +56,7 @@ def query_words(triple: Triple) -> tuple[list[str], list[str]] | None:
     """(head words, tail words) to count, or None when there is nothing to query: duplicates removed
     (case-insensitive), tail words already in the head removed (a tail that repeats the head would count
     the head alone). Every content word is kept, as the corpus paper ANDs all content words of the subject
-    and the object.
-
-    >>> query_words(Triple("Marie Curie", "won", "the Nobel Prize"))
-    (['Marie', 'Curie'], ['Nobel', 'Prize'])
-    >>> query_words(Triple("Paris", "is", "Paris")) is None
-    True
+    and the object: (Marie Curie, won, the Nobel Prize) counts ["Marie", "Curie"] with ["Nobel", "Prize"].
     """
     head: list[str] = []
     tail: list[str] = []

@@ -36,11 +36,7 @@ def verifier_template() -> str:
 def verifier_prompt(question: str, reference: str, candidate: str, template: str | None = None) -> str:
     """The template (default: the shipped one) with the three fields filled in one pass. A regular expression,
     not str.format: templates hold literal braces such as `\\boxed{X}`, and one pass means a field's text that
-    happens to contain "{reference}" is never substituted again.
-
-    >>> verifier_prompt("{reference}?", "4", "four", "Q: {question} Ref: {reference} Said: {candidate} \\\\boxed{X}")
-    'Q: {reference}? Ref: 4 Said: four \\\\boxed{X}'
-    """
+    happens to contain "{reference}" is never substituted again."""
     template = verifier_template() if template is None else template
     missing = ", ".join(f"{{{name}}}" for name in ("question", "reference", "candidate")
                         if f"{{{name}}}" not in template)
