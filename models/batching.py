@@ -30,7 +30,8 @@ def pad_batch(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequ
     if len(prompt_ids) == 0:
         raise ValueError("pad_batch needs at least one sequence; got an empty list of prompts")
     if len(prompt_ids) != len(completion_ids):
-        raise ValueError(f"pad_batch got {len(prompt_ids)} prompts but {len(completion_ids)} completions; pass one per prompt")
+        raise ValueError(f"pad_batch got {len(prompt_ids)} prompts but {len(completion_ids)} completions; "
+                         "pass one per prompt")
     if isinstance(pad_id, bool) or not isinstance(pad_id, int):
         raise ValueError(f"pad_id must be an int token id, got {pad_id!r}")
     for index, prompt in enumerate(prompt_ids):
@@ -47,7 +48,8 @@ def pad_batch(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequ
         input_ids[row, start:prompt_len] = torch.as_tensor(list(prompt), dtype=torch.long)
         attention_mask[row, start:prompt_len] = 1
         if len(completion):
-            input_ids[row, prompt_len : prompt_len + len(completion)] = torch.as_tensor(list(completion), dtype=torch.long)
+            completion_columns = slice(prompt_len, prompt_len + len(completion))
+            input_ids[row, completion_columns] = torch.as_tensor(list(completion), dtype=torch.long)
             attention_mask[row, prompt_len : prompt_len + len(completion)] = 1
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     completion_mask = attention_mask[:, prompt_len:].to(torch.float32)

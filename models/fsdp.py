@@ -14,8 +14,15 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._pytree import tree_map
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+from models.loading import load_model, resolve_attn_implementation, resolve_model_dir
 
 # Prefixes that wrappers add to parameter names (torch.compile, activation checkpointing, FSDP1).
 _WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
@@ -78,15 +85,6 @@ def first_error(error: BaseException | None) -> tuple[int, str] | None:
     return next(((index, text) for index, text in enumerate(messages) if text is not None), None)
 
 
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated transformer blocks, found by the class names HF lists in `_no_split_modules`."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [module for module in model.modules() if type(module).__name__ in names]
-    if not layers:
-        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (its _no_split_modules is {sorted(names)})")
-    return layers
-
-
 def shard(
     model: torch.nn.Module,
     mesh,
@@ -105,12 +103,17 @@ def shard(
     over ranks: the losses divide by the global token count themselves; sum-only collectives also run on gloo.
     param_dtype: the dtype of gathered parameters in forward/backward (None: the parameters' own dtype).
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
+    # The decoder layers: the repeated blocks, whose class names HF lists in `_no_split_modules`.
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [module for module in model.modules() if type(module).__name__ in names]
+    if not layers:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} "
+                         f"(its _no_split_modules is {sorted(names)})")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=reshard_after_forward)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy, offload_policy=offload,
+                    reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -125,27 +128,31 @@ def _clean_name(name: str) -> str:
     return name
 
 
-def _reshard_all(model: torch.nn.Module) -> None:
-    # After a forward without backward (e.g. a no_grad logprob pass) the root still holds its gathered
-    # parameters, in param_dtype; resharding puts the fp32 shards back as the module's parameters.
-    from torch.distributed.fsdp import FSDPModule
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether `model` is sharded with FSDP2 (shard makes its class a subclass of FSDPModule)."""
+    return isinstance(model, FSDPModule)
 
+
+def reshard(model: torch.nn.Module) -> None:
+    """Put every FSDP unit's shards back as its parameters (nothing for a plain model). After a forward without
+    backward (a no-grad logprob pass) the root still holds its gathered parameters, in param_dtype."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
 
 
+def _buffers(model: torch.nn.Module, persistent: bool) -> list[tuple[str, Tensor]]:
+    """The model's persistent buffers (in its state dict) or the others (rotary inv_freq, rebuilt from config)."""
+    non_persistent = {f"{module_name}.{buffer_name}" if module_name else buffer_name
+                      for module_name, module in model.named_modules()
+                      for buffer_name in getattr(module, "_non_persistent_buffers_set", ())}
+    return [(name, buffer) for name, buffer in model.named_buffers() if (name not in non_persistent) == persistent]
+
+
 def named_weights(model: torch.nn.Module) -> list[tuple[str, Tensor]]:
     """(HF name, parameter or persistent buffer), tied aliases once, in the model's fixed module order."""
-    _reshard_all(model)
-    weights = [(_clean_name(name), parameter) for name, parameter in model.named_parameters()]
-    non_persistent = {
-        f"{module_name}.{buffer_name}" if module_name else buffer_name
-        for module_name, module in model.named_modules()
-        for buffer_name in getattr(module, "_non_persistent_buffers_set", ())
-    }
-    weights += [(_clean_name(name), buffer) for name, buffer in model.named_buffers() if name not in non_persistent]
-    return weights
+    reshard(model)
+    return [(_clean_name(name), tensor) for name, tensor in [*model.named_parameters(), *_buffers(model, True)]]
 
 
 def full_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
@@ -160,89 +167,48 @@ def full_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
         yield name, full.detach()
 
 
-def gather_to_rank0(model: torch.nn.Module) -> dict[str, Tensor]:
-    """The whole state dict as CPU tensors on rank 0 (for export); an empty dict on the other ranks."""
-    is_rank0 = rank() == 0
-    return {name: tensor.cpu() for name, tensor in full_state_dict(model) if is_rank0}
-
-
-def expected_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
-    """HF name -> full shape for everything full_state_dict streams (no collective)."""
-    return {name: tuple(tensor.shape) for name, tensor in named_weights(model)}
+def shape_mismatch(expected: dict[str, tuple], given: dict[str, tuple]) -> str | None:
+    """What differs between the model's {name: shape} and a file's ("missing [..], unexpected [..], wrong
+    shapes [..]", five names of each at most), or None when they agree."""
+    missing, unexpected = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
+    wrong = [f"{name} {given[name]} (model {expected[name]})" for name in expected
+             if name in given and given[name] != expected[name]]
+    if missing or unexpected or wrong:
+        return f"missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shapes {wrong[:5]}"
+    return None
 
 
 @torch.no_grad()
+def copy_from_rank0(target: Tensor, source: Tensor | None) -> None:
+    """Copy rank 0's full tensor `source` (None on the other ranks) into `target`, a parameter or buffer: into
+    each rank's shard of a DTensor, by a broadcast into a replicated tensor, or by a plain copy in one process."""
+    if isinstance(target, DTensor):
+        if source is None:
+            source = torch.empty(target.shape, dtype=target.dtype, device=target.device)
+        local = distribute_tensor(source.to(target.device, target.dtype), target.device_mesh, target.placements,
+                                  src_data_rank=0)
+        target.to_local().copy_(local.to_local())
+    elif is_distributed():
+        if source is None:
+            source = torch.empty_like(target)
+        source = source.to(target.device, target.dtype)
+        dist.broadcast(source, group_src=0, group=_GROUP)
+        target.copy_(source)
+    else:
+        target.copy_(source)
+
+
 def load_full_weights(model: torch.nn.Module, state_dict: dict[str, Tensor] | None) -> None:
-    """Copy full tensors (held by rank 0; others pass None) into the model's shards, checked first.
-
-    Every name and shape is compared before anything is copied, so a wrong checkpoint never half-loads.
-    Each tensor is then scattered from rank 0 (a plain copy without torch.distributed).
-    """
+    """Copy full tensors (held by rank 0; others pass None) into the model's shards, checked first: every name
+    and shape is compared before anything is copied, so a wrong checkpoint never half-loads."""
     weights = named_weights(model)
-    error = None
+    mismatch = None
     if rank() == 0:
-        error = _mismatch(dict((name, tuple(t.shape)) for name, t in weights), state_dict or {})
-    raise_on_all_ranks(error)
+        mismatch = shape_mismatch({name: tuple(tensor.shape) for name, tensor in weights},
+                                  {name: tuple(tensor.shape) for name, tensor in (state_dict or {}).items()})
+    raise_on_all_ranks(mismatch and ValueError(f"weights do not match the model: {mismatch}"))
     for name, target in weights:
-        source = state_dict[name] if rank() == 0 else None
-        if isinstance(target, DTensor):
-            if source is None:
-                source = torch.empty(target.shape, dtype=target.dtype, device=target.device)
-            local = distribute_tensor(source.to(target.device, target.dtype), target.device_mesh, target.placements, src_data_rank=0)
-            target.to_local().copy_(local.to_local())
-        elif is_distributed():
-            if source is None:
-                source = torch.empty_like(target)
-            source = source.to(target.device, target.dtype)
-            dist.broadcast(source, group_src=0, group=_GROUP)
-            target.copy_(source)
-        else:
-            target.copy_(source)
-
-
-def _mismatch(expected: dict[str, tuple], given: dict[str, Tensor]) -> ValueError | None:
-    missing = sorted(set(expected) - set(given))
-    unexpected = sorted(set(given) - set(expected))
-    wrong = [f"{name}: checkpoint {tuple(given[name].shape)} vs model {expected[name]}"
-             for name in expected if name in given and tuple(given[name].shape) != expected[name]]
-    if not (missing or unexpected or wrong):
-        return None
-    return ValueError(
-        "weights do not match the model: "
-        + "; ".join(part for part in (
-            f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}" if missing else "",
-            f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}" if unexpected else "",
-            f"wrong shapes {wrong[:5]}" if wrong else "",
-        ) if part)
-    )
-
-
-@torch.no_grad()
-def recompute_non_persistent_buffers(model: torch.nn.Module) -> None:
-    """Rebuild buffers that are not in any state dict (rotary inv_freq) after materialising from meta.
-
-    Each module holding such buffers is rebuilt from its config on the CPU (cheap: the rotary module owns
-    only these small vectors) and its fresh buffers are copied over.
-    """
-    for module_name, module in model.named_modules():
-        names = [name for name in getattr(module, "_non_persistent_buffers_set", ()) if getattr(module, name, None) is not None]
-        if not names:
-            continue
-        config = getattr(module, "config", None)
-        try:
-            with torch.device("cpu"):
-                fresh = type(module)(config)
-        except Exception as error:
-            raise ValueError(
-                f"cannot recompute the non-persistent buffers {names} of {module_name} ({type(module).__name__}): "
-                f"rebuilding it from its config failed ({error}); load this model without meta initialisation"
-            ) from error
-        for name in names:
-            buffer = getattr(module, name)
-            module.register_buffer(name, getattr(fresh, name).to(device=buffer.device), persistent=False)
-        for attribute in ("attention_scaling",):
-            if hasattr(fresh, attribute):
-                setattr(module, attribute, getattr(fresh, attribute))
+        copy_from_rank0(target, state_dict[name] if rank() == 0 else None)
 
 
 def load_sharded_model(
@@ -268,10 +234,6 @@ def load_sharded_model(
     enabled) and on rank 0's pretrained copy before its weights are sent, e.g. to inject LoRA adapters
     (models.lora.apply_lora): both sides then name the same parameters, and rank 0's values (the adapters'
     seeded initialisation included) are what every rank receives."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from models.loading import load_model, resolve_attn_implementation, resolve_model_dir
-
     directory, error = None, None
     if rank() == 0:
         try:
@@ -292,25 +254,21 @@ def load_sharded_model(
     shard(model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
           reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
     model.to_empty(device="cpu" if cpu_offload else device)
-    full = pretrained = None
+    full, buffers = None, {}
     if rank() == 0:
         pretrained = load_model(directory, dtype=dtype, device="cpu", trust_remote_code=trust_remote_code)
         if prepare is not None:
             prepare(pretrained)
-        full = dict(named_weights(pretrained))
+        full, buffers = dict(named_weights(pretrained)), dict(_buffers(pretrained, False))
+        del pretrained
     load_full_weights(model, full)
-    del full, pretrained
-    recompute_non_persistent_buffers(model)
-    model.generation_config = _generation_config(directory, model.generation_config)
-    return model
-
-
-def _generation_config(directory: str, default):
-    from transformers import GenerationConfig
-
+    # to_empty left the buffers no state dict holds (rotary inv_freq) uninitialised: rank 0's are sent too.
+    for name, buffer in _buffers(model, False):
+        copy_from_rank0(buffer, buffers.get(name))
+    del full, buffers
     if os.path.isfile(os.path.join(directory, "generation_config.json")):
-        return GenerationConfig.from_pretrained(directory, local_files_only=True)
-    return default
+        model.generation_config = GenerationConfig.from_pretrained(directory, local_files_only=True)
+    return model
 
 
 @contextlib.contextmanager
@@ -325,21 +283,14 @@ def _single_process_quiet():
 def save_optimizer_state(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """torch.distributed.checkpoint files of the optimizer state (each rank writes its shards), keyed by
     parameter name, so a resume can even change how the model is wrapped."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
     with _single_process_quiet():
-        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path, no_dist=not is_distributed(),
-                 process_group=_GROUP)
+        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path,
+                 no_dist=not is_distributed(), process_group=_GROUP)
 
 
 def load_optimizer_state(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Restore what save_optimizer_state wrote. The files are read into a copy of the state first, so a
     missing or mismatched entry raises before the optimizer's own state tensors are replaced."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-    from torch.utils._pytree import tree_map
-
     # get_optimizer_state_dict allocates a fresh optimizer's state (a zero-lr step) so there is a target
     # of the right shapes to read into.
     target = tree_map(lambda value: value.clone() if isinstance(value, Tensor) else value,
@@ -348,5 +299,6 @@ def load_optimizer_state(path: str, model: torch.nn.Module, optimizer: torch.opt
         with _single_process_quiet():
             dcp.load(target, checkpoint_id=path, no_dist=not is_distributed(), process_group=_GROUP)
     except Exception as error:
-        raise ValueError(f"optimizer state in {path} does not match this model/optimizer or is damaged: {error}") from error
+        raise ValueError(f"optimizer state in {path} does not match this model/optimizer or is damaged: "
+                         f"{error}") from error
     set_optimizer_state_dict(model, optimizer, target["optimizer"])

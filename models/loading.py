@@ -14,7 +14,8 @@ import torch
 
 from models import embedded
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 
 
 def resolve_model_dir(name_or_path: str | os.PathLike | None, *, need_weights: bool = True) -> Path:
@@ -79,9 +80,6 @@ def _cached_hub_snapshot(repo_id: str, need_weights: bool) -> Path:
     return snapshot
 
 
-HALF_DTYPES = ("bfloat16", "float16")
-
-
 def choose_attention(requested: str, device_type: str, compute_dtype: str, flash_attn: bool) -> str:
     """The attention implementation a model loads with. "auto": flash_attention_2 on CUDA where flash-attn is
     installed and the model computes in bf16/fp16 (flash-attn refuses fp32), else sdpa; anything else as asked.
@@ -91,7 +89,7 @@ def choose_attention(requested: str, device_type: str, compute_dtype: str, flash
     """
     if requested != "auto":
         return requested
-    if device_type == "cuda" and flash_attn and compute_dtype in HALF_DTYPES:
+    if device_type == "cuda" and flash_attn and compute_dtype in ("bfloat16", "float16"):
         return "flash_attention_2"
     return "sdpa"
 
@@ -144,7 +142,8 @@ def load_tokenizer(name_or_path: str | os.PathLike | None = None, *, trust_remot
         raise ValueError(f"cannot load a tokenizer from {directory} (tokenizer.json / tokenizer_config.json "
                          f"missing or unreadable): {error}") from None
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"the tokenizer in {directory} has no eos_token; set one in {directory / 'tokenizer_config.json'}")
+        raise ValueError(f"the tokenizer in {directory} has no eos_token; "
+                         f"set one in {directory / 'tokenizer_config.json'}")
     if tokenizer.pad_token_id is None:
         # Padded positions are always masked out of attention and loss, so reusing EOS is safe.
         tokenizer.pad_token = tokenizer.eos_token

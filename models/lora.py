@@ -1,6 +1,6 @@
 """LoRA through peft: adapters injected in place into a transformers causal LM, the base model as the free
 reference (adapters disabled), merged weights W + scale * B @ A streamed under the base HF names for the
-rollout engine, and checkpoints that hold the adapter (peft format) instead of the whole model.
+rollout engine, and the adapter's tensors for checkpoints (models.checkpoint writes them in peft's format).
 
 Why `inject_adapter_in_model` rather than `get_peft_model`: the model stays the same LlamaForCausalLM /
 Qwen3ForCausalLM object (no PeftModel wrapper and no "base_model.model." prefix), so FSDP2 still finds its
@@ -11,22 +11,17 @@ pass still work, and a base name is recovered by dropping ".base_layer". Paramet
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from models import checkpoint, fsdp
 
 ADAPTER = "default"  # peft's adapter name; a model here carries exactly one adapter
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
-MERGED_DIR = "merged"
 _PEFT_PREFIX = "base_model.model."  # how PeftModel.save_pretrained names adapter tensors
 
 
@@ -66,7 +61,7 @@ def apply_lora(
         raise ValueError(f"model.lora.target_modules must be a non-empty list of module names, got {target_modules!r}")
     if is_lora(model):
         raise ValueError("apply_lora: the model already carries a LoRA adapter")
-    if any(hasattr(parameter, "full_tensor") for parameter in model.parameters()):
+    if fsdp.is_sharded(model):
         raise ValueError("apply_lora: the model is already FSDP-sharded; apply LoRA before models.fsdp.shard")
     _check_targets(model, list(target_modules))
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
@@ -82,7 +77,8 @@ def apply_lora(
 def _check_targets(model: torch.nn.Module, targets: list[str]) -> None:
     modules = dict(model.named_modules())
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    linear = sorted({name.rsplit(".", 1)[-1] for name, module in modules.items() if isinstance(module, torch.nn.Linear)})
+    linear = sorted({name.rsplit(".", 1)[-1] for name, module in modules.items()
+                     if isinstance(module, torch.nn.Linear)})
     for target in targets:
         matched = [name for name in modules if name == target or name.endswith("." + target)]
         if not matched:
@@ -110,18 +106,14 @@ def is_lora(model: torch.nn.Module) -> bool:
     return any(getattr(config, "peft_type", None) == "LORA" for config in configs.values())
 
 
-def _lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    from peft.tuners.lora import LoraLayer
-
-    return [module for module in model.modules() if isinstance(module, LoraLayer)]
-
-
 @contextlib.contextmanager
 def disabled_adapters(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Within the block the model computes exactly the base model (every adapted layer returns
     base_layer(x)): reference logprobs for the KL term without a second model. peft's switch also clears
     requires_grad of the adapters, so every flag is put back as it was on exit, even after an exception."""
-    layers = _lora_layers(model)
+    from peft.tuners.lora import LoraLayer
+
+    layers = [module for module in model.modules() if isinstance(module, LoraLayer)]
     if not layers:
         raise ValueError("disabled_adapters: the model carries no LoRA adapter (apply_lora was not called)")
     flags = [(parameter, parameter.requires_grad) for parameter in model.parameters()]
@@ -183,149 +175,49 @@ def _lora_part(name: str) -> tuple[str | None, str]:
     return None, ""
 
 
-def adapter_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
-    """The adapter's full tensors under PeftModel's names ("base_model.model.<module>.lora_A.weight"), on
-    every rank. Every rank must call it: only adapter tensors are gathered, not the base weights."""
-    state = {}
-    for name, tensor in fsdp.named_weights(model):
-        if _is_adapter_name(name):
-            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            state[_peft_name(name)] = full.detach().cpu().contiguous()
-    if not state:
+def adapter_weights(model: torch.nn.Module) -> list[tuple[str, Tensor]]:
+    """(peft file name, parameter: a DTensor shard or a plain tensor) of every adapter tensor, in module order."""
+    weights = [(_peft_name(name), tensor) for name, tensor in fsdp.named_weights(model) if _is_adapter_name(name)]
+    if not weights:
         raise ValueError("the model carries no LoRA adapter (apply_lora was not called)")
-    return state
+    return weights
 
 
-def _adapter_config(model: torch.nn.Module):
+def adapter_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The adapter's full tensors on the CPU under PeftModel's names ("base_model.model.<module>.lora_A.weight"),
+    on every rank. Every rank must call it: only adapter tensors are gathered, not the base weights."""
+    return {name: (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().cpu().contiguous()
+            for name, tensor in adapter_weights(model)}
+
+
+def adapter_config(model: torch.nn.Module):
+    """The peft LoraConfig that apply_lora attached (its save_pretrained writes adapter_config.json)."""
     config = getattr(model, "peft_config", {}).get(ADAPTER)
     if config is None:
         raise ValueError("the model carries no LoRA adapter made by apply_lora (no peft_config)")
     return config
 
 
-def save_adapter(directory: str | os.PathLike, model: torch.nn.Module) -> Path:
-    """Write the adapter in peft's format (adapter_config.json + adapter_model.safetensors), loadable with
-    `PeftModel.from_pretrained(base_model, directory)`. Every rank must call it; rank 0 writes."""
-    directory = Path(directory)
-    state = adapter_state_dict(model)
-    if fsdp.rank() == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        _adapter_config(model).save_pretrained(directory)
-        save_file(state, directory / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-    fsdp.barrier()
-    return directory
+def load_adapter_state(model: torch.nn.Module, state: dict[str, Tensor] | None) -> None:
+    """Copy adapter tensors (adapter_state_dict's names, held by rank 0; None on the others) into the model,
+    plain or FSDP-sharded; every rank must call it. The base weights are left as they are."""
+    for name, tensor in adapter_weights(model):
+        fsdp.copy_from_rank0(tensor, state[name] if fsdp.rank() == 0 else None)
 
 
-def save_merged(directory: str | os.PathLike, model: torch.nn.Module, tokenizer) -> Path:
-    """Write the merged model as a plain HF directory (safetensors, config, generation config, tokenizer)
-    that AutoModelForCausalLM.from_pretrained and vLLM load with no peft. Every rank must call it."""
-    directory = Path(directory)
-    is_rank0 = fsdp.rank() == 0
-    weights = {name: tensor.cpu() for name, tensor in merged_state_dict(model) if is_rank0}
-    if is_rank0:
-        directory.mkdir(parents=True, exist_ok=True)
-        checkpoint._write_model(directory, model, weights, tokenizer)
-    fsdp.barrier()
-    return directory
-
-
-def _check_adapter(directory: Path, model: torch.nn.Module, state: dict[str, Tensor]) -> ValueError | None:
-    """Names and shapes of the saved adapter against the model's; rank and alpha against its config."""
-    expected = {_peft_name(name): tuple(tensor.shape)
-                for name, tensor in fsdp.named_weights(model) if _is_adapter_name(name)}
-    given = {name: tuple(tensor.shape) for name, tensor in state.items()}
-    if expected != given:
-        missing, unexpected = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
-        wrong = [f"{name} {given[name]} (model {expected[name]})" for name in expected
-                 if name in given and given[name] != expected[name]]
-        return ValueError(f"{directory / ADAPTER_WEIGHTS} does not fit the model's adapter: missing {missing[:3]}, "
-                          f"unexpected {unexpected[:3]}, wrong shapes {wrong[:3]}")
-    saved = json.loads((directory / ADAPTER_CONFIG).read_text())
-    ours = _adapter_config(model)
-    for key, value in (("r", ours.r), ("lora_alpha", ours.lora_alpha)):
-        if saved.get(key) != value:
-            return ValueError(f"{directory / ADAPTER_CONFIG}: {key}={saved.get(key)!r}, the model's adapter has {value!r}")
-    return None
-
-
-def _read_adapter(directory: Path, model: torch.nn.Module) -> tuple[dict[str, Tensor] | None, Exception | None]:
-    """(adapter tensors, None) when `directory` holds an adapter that fits the model, else (None, error)."""
-    for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
-        if not (directory / name).is_file():
-            return None, FileNotFoundError(f"{directory / name} not found: not an adapter directory")
-    try:
-        state = load_file(directory / ADAPTER_WEIGHTS)
-    except Exception as error:  # safetensors raises its own error types for damaged files
-        return None, ValueError(f"{directory / ADAPTER_WEIGHTS} is damaged ({error})")
-    error = _check_adapter(directory, model, state)
-    return (None, error) if error else (state, None)
-
-
-@torch.no_grad()
-def _copy_adapter(model: torch.nn.Module, state: dict[str, Tensor] | None) -> None:
-    if fsdp.world_size() == 1:  # a plain copy of the adapter tensors, nothing gathered
-        for name, tensor in fsdp.named_weights(model):
-            if _is_adapter_name(name):
-                tensor.copy_(state[_peft_name(name)])
-        return
-    # models.fsdp.load_full_weights scatters complete state dicts only, so rank 0 completes the adapter with
-    # the current base weights: under FSDP that gathers the model to rank 0 once, as a checkpoint save does.
-    full = fsdp.gather_to_rank0(model)
-    if fsdp.rank() == 0:
-        for name in full:
-            if _is_adapter_name(name):
-                full[name] = state[_peft_name(name)]
-    fsdp.load_full_weights(model, full if fsdp.rank() == 0 else None)
-
-
-def load_adapter(directory: str | os.PathLike, model: torch.nn.Module) -> None:
-    """Copy a saved adapter (save_adapter's format) into a model prepared with the same apply_lora settings,
-    plain or FSDP-sharded; every rank must call it. Names, shapes, rank and alpha are checked before
-    anything is copied; the base weights are left as they are."""
-    directory = Path(directory)
-    state, error = _read_adapter(directory, model) if fsdp.rank() == 0 else (None, None)
-    fsdp.raise_on_all_ranks(error)
-    _copy_adapter(model, state)
-
-
-def _write_lora(directory: Path, model: torch.nn.Module, tokenizer, *, merged_export: bool) -> None:
-    save_adapter(directory, model)
-    if fsdp.rank() == 0 and tokenizer is not None:
-        tokenizer.save_pretrained(directory)
-    if merged_export:
-        save_merged(directory / MERGED_DIR, model, tokenizer)
-
-
-def _check_lora(directory: Path, model: torch.nn.Module, state: dict) -> tuple[dict[str, Tensor] | None, Exception | None]:
-    if not state.get("lora"):
-        return None, ValueError(f"{directory} is not a LoRA checkpoint (model.lora is set): resume it with LoRA off")
-    return _read_adapter(directory, model)
-
-
-def _lora_format(merged_export: bool = False) -> checkpoint.WeightsFormat:
-    """The adapter (peft format) at the top level of a checkpoint, the tokenizer beside it, [merged/]."""
-    return checkpoint.WeightsFormat(
-        write=lambda directory, model, tokenizer: _write_lora(directory, model, tokenizer, merged_export=merged_export),
-        read=_check_lora, load=lambda directory, model, adapter: _copy_adapter(model, adapter),
-        noun="adapter", state={"lora": True})
-
-
+# The names launch/ imports: models.checkpoint's save and load write and restore a LoRA model's adapter
+# themselves. (models.checkpoint imports this module too; `checkpoint` is only read when these run.)
 def save_lora_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, tokenizer,
                          optimizer: torch.optim.Optimizer | None, step: int, rng: torch.Generator | None = None,
                          extra: dict | None = None, *, merged_export: bool = False) -> Path:
-    """models.checkpoint.save_checkpoint for a LoRA model: the same atomic layout and resume state, but the
-    adapter (peft format, at the top level: `PeftModel.from_pretrained(base, directory)` loads it) instead
-    of the whole model, and with merged_export the merged HF model in `merged/`. Every rank must call it.
-    Layout: adapter_config.json, adapter_model.safetensors, tokenizer files, [merged/], optimizer/, rng/,
-    trainer_state.json (with "lora": true), COMPLETE (written last)."""
+    """models.checkpoint.save_checkpoint of a LoRA model: the adapter in peft's format, [merged/], the rest."""
     return checkpoint.save_checkpoint(directory, model, tokenizer, optimizer, step, rng, extra,
-                                      weights=_lora_format(merged_export))
+                                      merged_export=merged_export)
 
 
 def load_lora_checkpoint(directory: str | os.PathLike, model: torch.nn.Module,
                          optimizer: torch.optim.Optimizer | None = None, *,
                          rng: torch.Generator | None = None) -> tuple[int, dict]:
-    """Restore what save_lora_checkpoint wrote into a model prepared exactly as for training (the same base
-    weights, apply_lora with the same settings, sharded or not) and its optimizer; return (step, extra).
-    Every rank must call it. Everything is checked before anything is loaded."""
-    return checkpoint.load_checkpoint(directory, model, optimizer, rng=rng, weights=_lora_format())
+    """models.checkpoint.load_checkpoint into a model prepared as for training (apply_lora with the same
+    settings, sharded or not); returns (step, extra)."""
+    return checkpoint.load_checkpoint(directory, model, optimizer, rng=rng)

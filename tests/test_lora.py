@@ -13,8 +13,7 @@ from models.batching import pad_batch
 from models.checkpoint import latest_checkpoint, load_checkpoint
 from models.logprobs import completion_logprobs
 from models.lora import (
-    apply_lora, disabled_adapters, is_lora, load_adapter, load_lora_checkpoint, merged_state_dict, save_adapter,
-    save_lora_checkpoint, save_merged,
+    apply_lora, disabled_adapters, is_lora, load_lora_checkpoint, merged_state_dict, save_lora_checkpoint,
 )
 from tiny import tiny_model
 from rollout.hf_engine import HFEngine
@@ -213,28 +212,28 @@ def test_adapter_round_trips_through_peft_format(tmp_path):
     from peft import PeftModel
 
     model = lora_model("qwen3", tie=False)
-    save_adapter(tmp_path / "adapter", model)
-    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    adapter = save_lora_checkpoint(tmp_path / "step_1", model, None, None, 1)  # the adapter at the top level
+    config = json.loads((adapter / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", RANK, ALPHA)
-    loaded = PeftModel.from_pretrained(base_model("qwen3", tie=False), tmp_path / "adapter")
+    loaded = PeftModel.from_pretrained(base_model("qwen3", tie=False), adapter)
     assert torch.equal(logprobs_of(loaded.base_model.model), logprobs_of(model))
     fresh = apply_lora(base_model("qwen3", tie=False), rank=RANK, alpha=ALPHA)
-    load_adapter(tmp_path / "adapter", fresh)
+    load_lora_checkpoint(adapter, fresh)
     assert torch.equal(logprobs_of(fresh), logprobs_of(model))
     mismatched = apply_lora(base_model("qwen3", tie=False), rank=RANK, alpha=2 * ALPHA)
     with pytest.raises(ValueError, match="lora_alpha"):
-        load_adapter(tmp_path / "adapter", mismatched)
+        load_lora_checkpoint(adapter, mismatched)
     narrower = apply_lora(base_model("qwen3", tie=False), rank=RANK, alpha=ALPHA, target_modules=["q_proj"])
     with pytest.raises(ValueError, match="does not fit"):
-        load_adapter(tmp_path / "adapter", narrower)
+        load_lora_checkpoint(adapter, narrower)
 
 
 def test_merged_export_loads_in_plain_transformers(tmp_path, tokenizer):
     from transformers import AutoModelForCausalLM
 
     model = lora_model()
-    save_merged(tmp_path / "merged", model, tokenizer)
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True)
+    directory = save_lora_checkpoint(tmp_path / "step_1", model, tokenizer, None, 1, merged_export=True)
+    exported = AutoModelForCausalLM.from_pretrained(directory / "merged", local_files_only=True)
     assert not is_lora(exported) and exported.config.architectures == ["LlamaForCausalLM"]
     assert (logprobs_of(exported) - logprobs_of(model)).abs().max() <= 1e-5
 
