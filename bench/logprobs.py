@@ -11,7 +11,7 @@ from the naive ones. Cases whose naive pass would not fit in --max-gib are skipp
 
 Four passes over N = B*T rows:
   naive            log_softmax(logits.float()).gather, given logits [N, V]        (the textbook reference)
-  chunked          models.logprobs.token_logprobs on the same logits
+  chunked          the same log_softmax on the same logits, a chunk of rows at a time
   naive_hidden     logits = hidden @ W.T, then naive: what a model forward + loss does (H = 576, SmolLM2)
   fused_hidden     models.chunked_softmax.LogprobsFromHidden: what completion_logprobs does, no [N, V] tensor
 """
@@ -39,7 +39,6 @@ def _measure(method: str, vocab: int, rows: int, chunk_size: int, compare: bool)
     import torch
 
     from models.chunked_softmax import LogprobsFromHidden
-    from models.logprobs import token_logprobs
 
     torch.set_num_threads(2)
     generator = torch.Generator().manual_seed(0)
@@ -57,7 +56,11 @@ def _measure(method: str, vocab: int, rows: int, chunk_size: int, compare: bool)
         if method == "naive":
             return torch.log_softmax(logits.float(), dim=-1).gather(-1, labels[:, None]).squeeze(-1)
         if method == "chunked":
-            return token_logprobs(logits[None], labels[None], chunk_size=chunk_size)[0]
+            values = torch.empty(rows)
+            for start in range(0, rows, chunk_size):
+                chunk = slice(start, start + chunk_size)
+                values[chunk] = torch.log_softmax(logits[chunk].float(), dim=-1).gather(-1, labels[chunk, None])[:, 0]
+            return values
         if method == "naive_hidden":
             return torch.log_softmax((hidden @ weight.t()).float(), dim=-1).gather(-1, labels[:, None]).squeeze(-1)
         return LogprobsFromHidden.apply(hidden, weight, None, labels, 1.0, chunk_size, False)[0]

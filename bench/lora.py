@@ -33,10 +33,10 @@ class Run:
     def __init__(self, model_name: str | None, quick: bool, rank: int | None, batch_shape: tuple[int, int, int]):
         import torch
 
+        from bench.tiny import tiny_model
         from models import load_model
         from models.batching import pad_batch
         from models.lora import apply_lora
-        from models.tiny import tiny_model
 
         self.rank = rank
         self.model = tiny_model("llama", seed=0) if quick else load_model(model_name)

@@ -8,7 +8,7 @@ models.logprobs.completion_logprobs and the block-diagonal-mask alternative to p
 - padded: pad_batch's layout, B x (Lp + T) tokens (share_prompts=False);
 - shared: each distinct prompt once, completions on its KV cache, still padded to T (the trainer's default);
 - packed: one padding-free row, each distinct prompt once, per-segment attention (packed=True);
-- block mask: the same packed row through sdpa with one [N, N] block mask (models.packing.segment_mask), the
+- block mask: the same packed row through sdpa with one [N, N] block mask (segment_mask below), the
   alternative the packed pass was measured against.
 Passes alternate A B C D, D C B A, ... for --rounds rounds after one warm-up each; the table gives the median
 seconds, min/max, tokens each pass computes, and the largest logprob difference from the padded pass.
@@ -43,21 +43,30 @@ def uneven_batch(tokenizer, prompts: int, group: int, low: int, high: int, seed:
     return pad_batch([p for p in prompt_ids for _ in range(group)], completions, tokenizer.pad_token_id)
 
 
+def segment_mask(segments, num_tokens: int, device=None) -> torch.Tensor:
+    """The packed row's attention pattern (models.attention) as one [1, 1, N, N] bool mask (True = attend): the
+    block-diagonal alternative to per-segment attention, and the reference tests/test_models_packing.py uses."""
+    mask = torch.zeros(num_tokens, num_tokens, dtype=torch.bool, device=device)
+    for start, end, prefix_start, prefix_end in segments:
+        mask[start:end, start:end] = torch.ones(end - start, end - start, dtype=torch.bool, device=device).tril()
+        mask[start:end, prefix_start:prefix_end] = True
+    return mask[None, None]
+
+
 def block_mask_logprobs(model, batch: dict):
     """Logprobs [M] of the packed row run through the model's sdpa with the block mask as a 4-D mask."""
     from models.chunked_softmax import LogprobsFromHidden
-    from models.logprobs import prompt_groups
-    from models.packing import pack_batch, segment_mask
+    from models.logprobs import pack_batch, prompt_groups
 
     _, prompt_index = prompt_groups(batch["input_ids"], batch["attention_mask"], batch["prompt_len"])
     packed = pack_batch(batch, prompt_index)
-    mask = segment_mask(packed.segments, packed.num_tokens)
+    mask = segment_mask(packed.segments, packed.input_ids.shape[1])
     hidden = model.get_decoder()(input_ids=packed.input_ids, position_ids=packed.position_ids,
                                  attention_mask=mask, use_cache=False).last_hidden_state
     head = model.get_output_embeddings()
     logprobs, _ = LogprobsFromHidden.apply(hidden[0, packed.predict_index], head.weight, head.bias, packed.labels,
                                            1.0, 512, False)
-    return logprobs, packed.num_tokens
+    return logprobs, packed.input_ids.shape[1]
 
 
 def run_pass(model, batch: dict, name: str):
@@ -80,10 +89,10 @@ def run_pass(model, batch: dict, name: str):
     logprobs.sum().backward()
     seconds = time.perf_counter() - started
     if tokens is None:  # packed: count what pack_batch laid out
-        from models.packing import pack_batch
+        from models.logprobs import pack_batch
 
         _, index = prompt_groups(batch["input_ids"], batch["attention_mask"], batch["prompt_len"])
-        tokens = pack_batch(batch, index).num_tokens
+        tokens = pack_batch(batch, index).input_ids.shape[1]
     return seconds, logprobs.detach(), tokens
 
 
@@ -101,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    from bench.tiny import tiny_model
     from models import load_model, load_tokenizer
-    from models.tiny import tiny_model
 
     if args.quick:
         args.max_len, args.rounds = min(args.max_len, 32), 1

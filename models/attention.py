@@ -1,35 +1,37 @@
-"""An attention function of our own, registered with transformers' AttentionInterface, and a context manager
-that switches a model to it for the duration of a call (the engine's generate) and back, so the model object
-the trainer holds is never left changed. (Packed passes wrap the registered functions instead:
-models.packing.install_packed_dispatch says why.)
+"""Attention functions of our own for the logprob passes, reached through transformers' registered ones:
+`install_dispatch` wraps those, and a call that carries one of our keyword arguments (a model forwards them to
+every attention layer, also when gradient checkpointing recomputes one) runs ours.
 
-`sdpa_native_gqa`: transformers' sdpa path, except that grouped-query attention (fewer key/value heads than
-query heads) is left to torch's kernel (`enable_gqa=True`) instead of copying every key and value head
-`num_key_value_groups` times (transformers' `repeat_kv`, which it does on CPU whenever a mask is passed).
-During decoding that copy is of the whole KV cache, in every layer, at every token, so it dominates a CPU
-decode step of a model with few key/value heads (SmolLM2-135M: 9 query heads, 3 key/value heads); the
-measured step times are in bench/README.md ("Decode-step profile").
+- native_gqa=True: `sdpa_native_gqa`, transformers' sdpa except that grouped-query attention (fewer key/value
+  heads than query heads) is left to torch's kernel (`enable_gqa=True`) instead of copying every key and value
+  head `num_key_value_groups` times (transformers' `repeat_kv`, which it does on CPU whenever a mask is passed).
+- packed_segments: packed attention, for one padding-free row of segments (models.logprobs.pack_batch): segment
+  (start, end, prefix_start, prefix_end) has queries [start, end) that attend to keys [prefix_start, prefix_end)
+  in full and causally to [start, end), so no token sees another sequence. One sdpa call per segment, or, for a
+  model loaded with flash_attention_2 (packed_varlen given), one flash_attn_varlen_func call over keys gathered
+  per segment.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 import torch.nn.functional as F
+from torch import Tensor
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-SDPA_NATIVE_GQA = "nanogrpo_sdpa_native_gqa"
-
-# Keyword arguments that change what attention computes and that this function does not implement: with any of
+# Keyword arguments that change what attention computes and that sdpa_native_gqa does not implement: with any of
 # them set it hands the call to transformers' own sdpa function (which handles or rejects them).
 _DELEGATED_KWARGS = ("softcap", "sliding_window", "s_aux", "sinks", "position_bias")
+
+# The implementations whose registered function install_dispatch wraps (eager has no registered function to
+# wrap: transformers calls each model file's own eager function directly).
+PACKABLE_IMPLEMENTATIONS = ("sdpa", "flash_attention_2")
 
 
 def sdpa_native_gqa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                     is_causal=None, **kwargs):
     """query [B, H, Q, D], key/value [B, Hkv, S, D], attention_mask [B, 1, Q, S] bool/additive or None.
     Returns (output [B, Q, H, D], None), as every transformers attention function does."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if dropout > 0 or any(kwargs.get(name) is not None for name in _DELEGATED_KWARGS) or query.shape[1] == key.shape[1]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
@@ -40,48 +42,89 @@ def sdpa_native_gqa(module, query, key, value, attention_mask, dropout: float = 
     return output.transpose(1, 2).contiguous(), None
 
 
-def register_ours() -> None:
-    """Make SDPA_NATIVE_GQA known to transformers (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+def segment_attention(query, key, value, segments, scaling) -> Tensor:
+    """query [1, H, N, D], key/value [1, Hkv, N, D] -> [1, H, N, D], one sdpa call per segment."""
+    outputs = []
+    grouped = query.shape[1] != key.shape[1]
+    for start, end, prefix_start, prefix_end in segments:
+        segment_query = query[:, :, start:end]
+        if prefix_end > prefix_start:
+            keys = torch.cat([key[:, :, prefix_start:prefix_end], key[:, :, start:end]], dim=2)
+            values = torch.cat([value[:, :, prefix_start:prefix_end], value[:, :, start:end]], dim=2)
+            prefix = prefix_end - prefix_start
+            # Bottom-right causal: query i sees the whole prefix and its own tokens up to i.
+            allowed = torch.ones(end - start, prefix + end - start, dtype=torch.bool, device=query.device)
+            allowed = allowed.tril(diagonal=prefix)
+            outputs.append(F.scaled_dot_product_attention(segment_query, keys, values, attn_mask=allowed,
+                                                          scale=scaling, enable_gqa=grouped))
+        else:
+            outputs.append(F.scaled_dot_product_attention(segment_query, key[:, :, start:end], value[:, :, start:end],
+                                                          is_causal=True, scale=scaling, enable_gqa=grouped))
+    return torch.cat(outputs, dim=2)
 
-    if SDPA_NATIVE_GQA not in AttentionInterface._global_mapping:
-        AttentionInterface.register(SDPA_NATIVE_GQA, sdpa_native_gqa)
-        # The same masks as "sdpa" (transformers builds none for a name it does not know).
-        ALL_MASK_ATTENTION_FUNCTIONS.register(SDPA_NATIVE_GQA, sdpa_mask)
+
+def varlen_layout(segments, device) -> dict:
+    """What flash_attn_varlen_func needs for `segments`: cumulative query and key lengths [S+1] int32, their
+    maxima, and key_index [sum of key lengths] long (each segment's prefix positions, then its own)."""
+    query_lengths = [end - start for start, end, _, _ in segments]
+    key_lengths = [end - start + prefix_end - prefix_start for start, end, prefix_start, prefix_end in segments]
+    key_index = [position for start, end, prefix_start, prefix_end in segments
+                 for position in list(range(prefix_start, prefix_end)) + list(range(start, end))]
+    cumulative = lambda lengths: torch.tensor([0] + lengths, dtype=torch.int32, device=device).cumsum(0).to(torch.int32)
+    return {"cu_seqlens_q": cumulative(query_lengths), "cu_seqlens_k": cumulative(key_lengths),
+            "max_seqlen_q": max(query_lengths), "max_seqlen_k": max(key_lengths),
+            "key_index": torch.tensor(key_index, dtype=torch.long, device=device)}
 
 
-def _configs(model: torch.nn.Module) -> list:
-    """Every distinct config object among the model's modules (a multimodal model has one per sub-model)."""
-    seen, configs = set(), []
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation") and id(config) not in seen:
-            seen.add(id(config))
-            configs.append(config)
-    return configs
+def flash_varlen_attention(query, key, value, layout: dict, scaling, varlen_function) -> Tensor:
+    """query [1, H, N, D], key/value [1, Hkv, N, D] -> [1, H, N, D] through `varlen_function` (flash-attn's
+    flash_attn_varlen_func signature; its causal mask is aligned bottom-right when a segment has more keys than
+    queries) on keys gathered per segment (`varlen_layout`)."""
+    queries = query[0].transpose(0, 1)  # [N, H, D]
+    keys = key[0].transpose(0, 1)[layout["key_index"]]  # [sum of key lengths, Hkv, D]
+    values = value[0].transpose(0, 1)[layout["key_index"]]
+    output = varlen_function(queries, keys, values, layout["cu_seqlens_q"], layout["cu_seqlens_k"],
+                             layout["max_seqlen_q"], layout["max_seqlen_k"], softmax_scale=scaling, causal=True)
+    return output.transpose(0, 1)[None]
 
 
-@contextmanager
-def attention_implementation(model: torch.nn.Module, name: str | None):
-    """Run the body with every attention layer of `model` dispatching to the registered function `name`
-    (None: leave the model as it is), then restore each config's own setting, also on an error.
+def _packed_attention(query, key, value, segments, varlen: dict | None, scaling) -> Tensor:
+    """Attention of one packed row: query [1, H, N, D], key/value [1, Hkv, N, D] -> [1, N, H, D].
+    varlen: a varlen_layout, given only where flash-attn is used."""
+    if query.shape[0] != 1:
+        raise ValueError(f"a packed pass holds one row; got query of shape {tuple(query.shape)}")
+    if varlen is not None:
+        from flash_attn import flash_attn_varlen_func  # optional, CUDA only
 
-    transformers looks the function up by `config._attn_implementation` at every forward, so the switch costs
-    nothing and autograd graphs recorded inside keep their functions for the backward pass.
+        output = flash_varlen_attention(query, key, value, varlen, scaling, flash_attn_varlen_func)
+    else:
+        output = segment_attention(query, key, value, segments, scaling)
+    return output.transpose(1, 2).contiguous()
+
+
+def _dispatching(original):
+    """`original` (a transformers attention function), except for calls that carry our keyword arguments."""
+
+    def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+        segments, varlen = kwargs.pop("packed_segments", None), kwargs.pop("packed_varlen", None)
+        if segments is not None:
+            return _packed_attention(query, key, value, segments, varlen, scaling), None
+        function = sdpa_native_gqa if kwargs.pop("native_gqa", False) else original
+        return function(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+    attention.packed_dispatch_of = original
+    return attention
+
+
+def install_dispatch() -> None:
+    """Wrap the registered attention functions of PACKABLE_IMPLEMENTATIONS (once per process).
+
+    Why a wrapper under the model's own implementation name rather than switching the model to another one for
+    the call: under gradient checkpointing the layers are recomputed during backward, after any switch is undone,
+    and must compute as they did. The checkpoint replays each layer's keyword arguments, so a call carrying ours
+    runs the same function wherever it runs; every other call reaches the original.
     """
-    if name is None:
-        yield
-        return
-    register_ours()
-    configs = _configs(model)
-    if not configs:
-        raise ValueError(f"{type(model).__name__} has no transformers config with an attention implementation to switch")
-    saved = [config._attn_implementation for config in configs]
-    try:
-        for config in configs:
-            config._attn_implementation = name
-        yield
-    finally:
-        for config, value in zip(configs, saved):
-            config._attn_implementation = value
+    for name in PACKABLE_IMPLEMENTATIONS:
+        function = AttentionInterface._global_mapping.get(name)
+        if function is not None and not hasattr(function, "packed_dispatch_of"):
+            AttentionInterface.register(name, _dispatching(function))

@@ -1,22 +1,23 @@
-"""Per-token logprobs and entropies of the temperature-scaled distribution, in fp32, chunk by chunk.
+"""Per-token logprobs and entropies of the completion tokens under a model, temperature-scaled, in fp32.
 
-`completion_logprobs` is the pass the trainer uses: it runs the model, keeps only the final hidden states,
-and projects them to the vocabulary only at real completion positions, a chunk at a time, so the
-[B, Lp+T, V] logits (and even the [B, T, V] ones) never exist. B sequences, Lp prompt columns,
-T completion columns, V vocabulary, H hidden size. Three ways to run the model over a pad_batch micro-batch:
-plain (B x (Lp+T)), shared prompts (each distinct prompt once, completions on its KV cache) and packed
-(one padding-free row, models.packing); all give the same values up to float rounding.
+`completion_logprobs` runs the model, keeps only its final hidden states, and projects them to the vocabulary
+only at real completion positions, a chunk at a time (models.chunked_softmax), so the [B, Lp+T, V] logits never
+exist. B sequences, Lp prompt columns, T completion columns, V vocabulary, H hidden size, M real completion
+tokens. A pad_batch micro-batch runs one of three ways, all with the same values up to float rounding: plain
+(B x (Lp+T)), shared prompts (each distinct prompt once, the completions on its KV cache) and packed (one
+padding-free row, each distinct prompt once, attention per segment: models.attention).
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from models.attention import SDPA_NATIVE_GQA, attention_implementation
-from models.chunked_softmax import LogprobsFromHidden, LogprobsFromLogits
-from models.packing import PACKABLE_IMPLEMENTATIONS, install_packed_dispatch, pack_batch, varlen_layout
+from models import fsdp
+from models.attention import PACKABLE_IMPLEMENTATIONS, install_dispatch, varlen_layout
+from models.chunked_softmax import LogprobsFromHidden
 
 # Rows (tokens) per chunk: one fp32 [C, V] block is 100 MB at V = 49,152 and 311 MB at V = 151,936.
 DEFAULT_CHUNK_SIZE = 512
@@ -53,69 +54,6 @@ def dropout_active(model: torch.nn.Module) -> bool:
     return any(isinstance(module, torch.nn.Dropout) and module.p > 0 for module in model.modules())
 
 
-def _check_common(temperature: float, chunk_size: int) -> None:
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-
-
-def token_logprobs(logits: Tensor, labels: Tensor, *, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
-    """log_softmax(logits.float() / temperature).gather(labels), without a full fp32 copy of the logits.
-
-    logits: [B, T, V] any float dtype; labels: [B, T] long. Returns [B, T] float32 (differentiable).
-    """
-    _check_common(temperature, chunk_size)
-    if logits.ndim != 3 or labels.shape != logits.shape[:2]:
-        raise ValueError(f"expected logits [B, T, V] and labels [B, T]; got {tuple(logits.shape)} and {tuple(labels.shape)}")
-    batch, length, vocab = logits.shape
-    logprobs, _ = LogprobsFromLogits.apply(
-        logits.reshape(batch * length, vocab), labels.reshape(-1).long(), float(temperature), chunk_size, False
-    )
-    return logprobs.view(batch, length)
-
-
-def _final_hidden_module(model: torch.nn.Module) -> torch.nn.Module:
-    """The decoder stack whose output is the final (post-norm) hidden state that lm_head projects."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if decoder is None or decoder is model:
-        raise ValueError(f"{type(model).__name__} exposes no decoder module (model.get_decoder()); cannot fuse its lm_head")
-    return decoder
-
-
-def logit_transform(model: torch.nn.Module) -> str | None:
-    """The config setting that makes `model`'s logits more than its output projection (e.g.
-    "final_logit_softcapping=30.0"), or None when the logits are exactly hidden @ lm_head.weight.T (+ bias)."""
-    config = getattr(model, "config", None)
-    for key, neutral in _UNSUPPORTED_LOGIT_TRANSFORMS.items():
-        value = getattr(config, key, neutral)
-        if value is not None and value != neutral:
-            return f"{key}={value}"
-    return None
-
-
-def _check_plain_projection(model: torch.nn.Module) -> None:
-    transform = logit_transform(model)
-    if transform is not None:
-        raise ValueError(
-            f"{type(model).__name__} has config.{transform}: its logits are not a plain lm_head projection, "
-            "which completion_logprobs assumes"
-        )
-
-
-def _output_projection(model: torch.nn.Module) -> tuple[Tensor, Tensor | None]:
-    head = model.get_output_embeddings()
-    weight, bias = head.weight, getattr(head, "bias", None)
-    # A sharded weight (a DTensor, which has full_tensor) here means FSDP resharded the root module after
-    # forward; models.fsdp.shard keeps the root gathered until backward, which this projection relies on.
-    if hasattr(weight, "full_tensor"):
-        raise ValueError(
-            "the output projection is still sharded after forward; shard the model with models.fsdp.shard "
-            "(the root module must use reshard_after_forward=False)"
-        )
-    return weight, bias
-
-
 def prompt_groups(input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> tuple[Tensor, Tensor]:
     """The distinct prompts of a pad_batch layout: (unique_rows [U] long, prompt_index [B] long), where
     unique_rows[u] is the first row holding prompt u and row b holds prompt prompt_index[b].
@@ -137,23 +75,72 @@ def prompt_groups(input_ids: Tensor, attention_mask: Tensor, prompt_len: int) ->
     return first[order], rank[inverse]
 
 
-def _shared_prompt_hidden(model, batch: dict, prompt_len: int, unique_rows: Tensor, prompt_index: Tensor,
-                          captured: dict) -> Tensor:
-    """Final hidden states [B, T, H] predicting each completion token, with each distinct prompt run once.
+@dataclass(frozen=True)
+class PackedBatch:
+    """A pad_batch micro-batch as one packed row.
 
-    Pass 1 runs the U distinct prompts ([U, Lp]) and keeps their KV cache; the cache is then gathered to the
-    B rows (prompt_index) and pass 2 runs the completions ([B, T]) on it. Gradients reach the prompt pass
-    through the cache. Column t of the result predicts completion token t: the prompt's last hidden state
-    for t = 0, completion column t-1 after.
+    input_ids, position_ids: [1, N] long (positions restart at 0 for each prompt; a completion continues
+                             from its prompt's length, as pad_batch numbers it).
+    segments:      tuple of (start, end, prefix_start, prefix_end), tiling [0, N) in order (models.attention).
+    predict_index: [M] long, the packed position whose final hidden state predicts each completion token,
+                   for the M real completion tokens in row-major order of completion_mask.
+    labels:        [M] long, those completion tokens.
     """
-    prompt = {key: value[unique_rows, :prompt_len] for key, value in batch.items()}
-    cache = model(**prompt, use_cache=True, logits_to_keep=1).past_key_values
-    last_prompt_hidden = captured["hidden"][:, -1:]
-    cache.batch_select_indices(prompt_index)
-    model(input_ids=batch["input_ids"][:, prompt_len:], attention_mask=batch["attention_mask"],
-          position_ids=batch["position_ids"][:, prompt_len:], past_key_values=cache, use_cache=True,
-          logits_to_keep=1)
-    return torch.cat([last_prompt_hidden[prompt_index], captured["hidden"][:, :-1]], dim=1)
+
+    input_ids: Tensor
+    position_ids: Tensor
+    segments: tuple[tuple[int, int, int, int], ...]
+    predict_index: Tensor
+    labels: Tensor
+
+
+def pack_batch(batch: dict, prompt_index: Tensor | None = None) -> PackedBatch:
+    """Pack a pad_batch dict: a prompt that several rows share (the same prompt_index, from prompt_groups; None:
+    every row its own prompt) once, then each of their completions as a segment that attends to all of the
+    prompt's keys and causally to itself; a prompt of one row and its completion as one causal segment. The
+    forward then covers U*Lp + sum(T_b) tokens (U distinct prompts) instead of B*(Lp+T). The last token of a
+    completion is only a label (nothing is predicted from it), so it is not packed.
+    Raises ValueError if a completion_mask row is not ones followed by zeros (pad_batch's layout).
+    """
+    input_ids, attention_mask = batch["input_ids"].cpu(), batch["attention_mask"].cpu()
+    completion_mask, prompt_len = batch["completion_mask"].cpu() > 0, int(batch["prompt_len"])
+    prompt_lengths = attention_mask[:, :prompt_len].sum(dim=1).tolist()
+    completion_lengths = completion_mask.sum(dim=1).tolist()
+    for row, length in enumerate(completion_lengths):
+        if not bool(completion_mask[row, :length].all()):
+            raise ValueError(f"completion_mask row {row} is not {length} ones followed by zeros: "
+                             "not a pad_batch layout")
+    groups: dict[int, list[int]] = {}
+    for row, prompt in enumerate(range(len(input_ids)) if prompt_index is None else prompt_index.tolist()):
+        groups.setdefault(prompt, []).append(row)
+    ids, positions, segments, predict = [], [], [], [None] * len(input_ids)
+
+    def append(tokens: list[int], first_position: int) -> None:
+        ids.extend(tokens)
+        positions.extend(range(first_position, first_position + len(tokens)))
+
+    for rows in groups.values():  # prompts in order of first appearance
+        prompt_length, start = prompt_lengths[rows[0]], len(ids)
+        prompt = input_ids[rows[0], prompt_len - prompt_length : prompt_len].tolist()
+        if len(rows) == 1:  # nothing to share: prompt and completion as one causal segment
+            row = rows[0]
+            append(prompt + input_ids[row, prompt_len : prompt_len + completion_lengths[row] - 1].tolist(), 0)
+            segments.append((start, len(ids), start, start))
+            predict[row] = list(range(start + prompt_length - 1, start + prompt_length - 1 + completion_lengths[row]))
+            continue
+        append(prompt, 0)
+        segments.append((start, len(ids), start, start))
+        for row in rows:
+            length, completion_start = completion_lengths[row], len(ids)
+            if length > 1:
+                append(input_ids[row, prompt_len : prompt_len + length - 1].tolist(), prompt_length)
+                segments.append((completion_start, len(ids), start, start + prompt_length))
+            # Token 0 is predicted from the prompt's last position, token t > 0 from completion token t - 1.
+            predict[row] = ([start + prompt_length - 1] + list(range(completion_start, len(ids))))[:length]
+    return PackedBatch(
+        input_ids=torch.tensor([ids], dtype=torch.long), position_ids=torch.tensor([positions], dtype=torch.long),
+        segments=tuple(segments), predict_index=torch.tensor([p for row in predict for p in row], dtype=torch.long),
+        labels=input_ids[:, prompt_len:][completion_mask])
 
 
 def unpackable(model) -> str | None:
@@ -174,16 +161,14 @@ def unpackable(model) -> str | None:
 
 def _packed_hidden(model, batch: dict, prompt_index: Tensor | None, captured: dict) -> tuple[Tensor, Tensor]:
     """Final hidden states [M, H] predicting the M real completion tokens (row-major), and those tokens [M],
-    from one packed forward (models.packing). prompt_index: [B] rows sharing a packed prompt, or None."""
+    from one packed forward. prompt_index: [B] rows sharing a packed prompt, or None."""
     reason = unpackable(model)
     if reason is not None:
         raise ValueError(reason)
-    implementation = model.config._attn_implementation
-    install_packed_dispatch()
     device = model.get_output_embeddings().weight.device
     packed = pack_batch(batch, None if prompt_index is None else prompt_index.cpu())
     attention_kwargs = {"packed_segments": packed.segments}
-    if implementation == "flash_attention_2":  # the model computes in bf16/fp16 (models.loading.choose_attention)
+    if model.config._attn_implementation == "flash_attention_2":  # bf16/fp16 compute (models.loading)
         attention_kwargs["packed_varlen"] = varlen_layout(packed.segments, device)
     # A 4-D mask is passed through by transformers untouched and ignored by packed attention (with none,
     # transformers would build an [N, N] block mask that nothing reads). It is empty so that a layer which
@@ -195,44 +180,70 @@ def _packed_hidden(model, batch: dict, prompt_index: Tensor | None, captured: di
     return hidden[0, packed.predict_index.to(hidden.device)], packed.labels.to(hidden.device)
 
 
+def _shared_prompt_hidden(model, batch: dict, prompt_len: int, unique_rows: Tensor, prompt_index: Tensor,
+                          captured: dict, **attention_kwargs) -> Tensor:
+    """Final hidden states [B, T, H] predicting each completion token, with each distinct prompt run once.
+
+    Pass 1 runs the U distinct prompts ([U, Lp]) and keeps their KV cache; the cache is then gathered to the
+    B rows (prompt_index) and pass 2 runs the completions ([B, T]) on it. Gradients reach the prompt pass
+    through the cache. Column t of the result predicts completion token t: the prompt's last hidden state
+    for t = 0, completion column t-1 after.
+    """
+    prompt = {key: value[unique_rows, :prompt_len] for key, value in batch.items()}
+    cache = model(**prompt, use_cache=True, logits_to_keep=1, **attention_kwargs).past_key_values
+    last_prompt_hidden = captured["hidden"][:, -1:]
+    cache.batch_select_indices(prompt_index)
+    model(input_ids=batch["input_ids"][:, prompt_len:], attention_mask=batch["attention_mask"],
+          position_ids=batch["position_ids"][:, prompt_len:], past_key_values=cache, use_cache=True,
+          logits_to_keep=1, **attention_kwargs)
+    return torch.cat([last_prompt_hidden[prompt_index], captured["hidden"][:, :-1]], dim=1)
+
+
 def _completion_hidden(model, batch: dict, original: dict, *, share_prompts: bool, packed: bool):
     """The final hidden states [M, H] that predict the M real completion tokens (row-major order of
     completion_mask) and those tokens [M], by the pass completion_logprobs chose.
 
     batch: input_ids, attention_mask, position_ids on the model's input device; original: the caller's
     pad_batch dict (completion_mask, prompt_len)."""
-    input_ids, completion_mask, prompt_len = batch["input_ids"], original["completion_mask"], int(original["prompt_len"])
-    batch_size, completion_len = completion_mask.shape
+    input_ids, completion_mask = batch["input_ids"], original["completion_mask"]
+    prompt_len = int(original["prompt_len"])
     captured: dict[str, Tensor] = {}
 
     def keep_final_hidden(module, args, output):
         captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
 
-    handle = _final_hidden_module(model).register_forward_hook(keep_final_hidden)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is None or decoder is model:
+        raise ValueError(f"{type(model).__name__} exposes no decoder module (model.get_decoder()); "
+                         "cannot fuse its lm_head")
+    handle = decoder.register_forward_hook(keep_final_hidden)
+    install_dispatch()
     try:
         unique_rows, prompt_index = prompt_groups(input_ids, batch["attention_mask"], prompt_len)
-        shared = share_prompts and len(unique_rows) < batch_size
+        shared = share_prompts and len(unique_rows) < len(input_ids)
         # transformers checkpoints layers only in train mode with gradients on.
-        checkpointing = getattr(model, "is_gradient_checkpointing", False) and model.training and torch.is_grad_enabled()
-        # Gradient checkpointing drops the KV cache inside transformers' checkpointed layers, so the shared-prompt
-        # pass cannot run under it; the packed pass shares prompts without a cache and is recomputed packed.
-        if packed or (shared and checkpointing and unpackable(model) is None):
+        checkpointing = (getattr(model, "is_gradient_checkpointing", False) and model.training
+                         and torch.is_grad_enabled())
+        # The shared-prompt pass runs two forwards on a KV cache. Gradient checkpointing drops that cache inside
+        # its layers. Under FSDP every rank must run as many forwards as the others (each all-gathers every
+        # layer's weights), while whether a micro-batch repeats a prompt differs from rank to rank; a sharded
+        # model therefore never takes it, and the decision needs no collective. In both cases the packed pass
+        # shares the prompts in one forward where the model can pack, and the plain pass runs where it cannot.
+        on_cache = shared and not checkpointing and not fsdp.is_sharded(model)
+        if packed or (shared and not on_cache and unpackable(model) is None):
             return _packed_hidden(model, original, prompt_index if shared else None, captured)
         # On CPU, transformers' sdpa copies every key/value head num_key_value_groups times whenever a mask is
         # passed (and its backward sums the copies back); torch's kernel takes grouped-query attention natively
-        # (models.attention): faster, with the same logprobs (bench/README.md). The graph records the function,
-        # so the backward needs no switch; gradient checkpointing's recomputation would run outside the switch,
-        # so it keeps the model's own function.
-        native = (getattr(model.config, "_attn_implementation", None) == "sdpa" and input_ids.device.type == "cpu"
-                  and not checkpointing)
-        with attention_implementation(model, SDPA_NATIVE_GQA if native else None):
-            # Gradient checkpointing drops the KV cache inside transformers' checkpointed layers (see above).
-            if shared and completion_len > 0 and not checkpointing:
-                hidden = _shared_prompt_hidden(model, batch, prompt_len, unique_rows, prompt_index, captured)
-            else:
-                # logits_to_keep=1: the model's own lm_head then runs on one position only ([B, 1, V], unused).
-                model(**batch, use_cache=False, logits_to_keep=1)
-                hidden = captured["hidden"][:, prompt_len - 1 : prompt_len - 1 + completion_len]
+        # (models.attention): faster, with the same logprobs.
+        native = getattr(model.config, "_attn_implementation", None) == "sdpa" and input_ids.device.type == "cpu"
+        attention_kwargs = {"native_gqa": True} if native else {}
+        if on_cache and completion_mask.shape[1] > 0:
+            hidden = _shared_prompt_hidden(model, batch, prompt_len, unique_rows, prompt_index, captured,
+                                           **attention_kwargs)
+        else:
+            # logits_to_keep=1: the model's own lm_head then runs on one position only ([B, 1, V], unused).
+            model(**batch, use_cache=False, logits_to_keep=1, **attention_kwargs)
+            hidden = captured["hidden"][:, prompt_len - 1 : prompt_len - 1 + completion_mask.shape[1]]
         # hidden[:, t] (column Lp-1+t) predicts completion token t; only real completion tokens are projected.
         selected = completion_mask.to(hidden.device) > 0
         return hidden[selected], input_ids[:, prompt_len:].to(hidden.device)[selected]
@@ -257,58 +268,58 @@ def completion_logprobs(
            completion_mask [B, T], prompt_len Lp).
     Returns (logprobs [B, T] float32, entropy [B, T] float32 or None); both are 0 where completion_mask is 0.
     Differentiable with respect to the model's parameters, for a plain HF model and an FSDP2-sharded one.
-    share_prompts: when rows repeat a prompt (GRPO's G completions per prompt), run each distinct prompt once
-           and the completions on its KV cache (`_shared_prompt_hidden`): the same values up to float
-           rounding, with a forward over U*Lp + B*T tokens instead of B*(Lp+T). Under gradient checkpointing
-           (which drops that cache) the packed pass shares them instead, where the model can pack.
-    packed: run the micro-batch as one padding-free packed row (models.packing): each distinct prompt once
-           (with share_prompts) and every completion at its own length, U*Lp + sum(T_b) tokens. The same values
-           up to float rounding; also under gradient checkpointing.
+    share_prompts: when rows repeat a prompt (GRPO's G completions per prompt), run each distinct prompt once,
+           with a forward over U*Lp + B*T tokens instead of B*(Lp+T): the completions on its KV cache, or,
+           under gradient checkpointing (which drops that cache) and on a sharded model, by the packed pass
+           where the model can pack.
+    packed: run the micro-batch as one padding-free packed row (pack_batch): each distinct prompt once (with
+           share_prompts) and every completion at its own length, U*Lp + sum(T_b) tokens.
     vocab_size: normalise over the first vocab_size rows of the output projection only: the ids an engine can
            sample (`sampleable_vocab_size`). A model whose embedding is padded beyond its tokenizer (Qwen2.5:
            151,936 rows for 151,665 tokens) gives the padded rows some probability mass; the engines never
            sample them and renormalise over the rest, so the trainer must too, or every token's old/rollout
            ratio is off by log(1 - that mass). None: every row.
     """
-    _check_common(temperature, chunk_size)
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     input_ids, completion_mask, prompt_len = batch["input_ids"], batch["completion_mask"], int(batch["prompt_len"])
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be [B, Lp+T], got shape {tuple(input_ids.shape)}")
-    batch_size, total_len = input_ids.shape
-    completion_len = total_len - prompt_len
+    batch_size, completion_len = input_ids.shape[0], input_ids.shape[1] - prompt_len
     if prompt_len < 1 or completion_mask.shape != (batch_size, completion_len):
         raise ValueError(
             f"completion_mask {tuple(completion_mask.shape)} does not fit input_ids {tuple(input_ids.shape)} "
             f"with prompt_len {prompt_len} (expected ({batch_size}, {completion_len}))"
         )
-    _check_plain_projection(model)
+    for key, neutral in _UNSUPPORTED_LOGIT_TRANSFORMS.items():
+        value = getattr(getattr(model, "config", None), key, neutral)
+        if value is not None and value != neutral:
+            raise ValueError(f"{type(model).__name__} has config.{key}={value}: its logits are not a plain lm_head "
+                             "projection, which completion_logprobs assumes")
     # FSDP2 moves a sharded model's inputs to its compute device itself (also under CPU offload, where the
     # parameters' own device is the CPU); a plain model gets them on its parameters' device.
     input_device = model.get_output_embeddings().weight.device
-    original = batch
-    batch = {key: batch[key].to(input_device) for key in ("input_ids", "attention_mask", "position_ids")}
-
-    hidden, labels = _completion_hidden(model, batch, original, share_prompts=share_prompts, packed=packed)
+    inputs = {key: batch[key].to(input_device) for key in ("input_ids", "attention_mask", "position_ids")}
+    hidden, labels = _completion_hidden(model, inputs, batch, share_prompts=share_prompts, packed=packed)
     # Read the projection only now: under FSDP2 the root's parameters are gathered (plain tensors swapped in
-    # for the shards) from its forward until its backward.
-    weight, bias = _output_projection(model)
+    # for the shards) from its forward until its backward; models.fsdp.shard keeps the root gathered.
+    head = model.get_output_embeddings()
+    weight, bias = head.weight, getattr(head, "bias", None)
+    if hasattr(weight, "full_tensor"):
+        raise ValueError("the output projection is still sharded after forward; shard the model with "
+                         "models.fsdp.shard (the root module must use reshard_after_forward=False)")
     if vocab_size is not None and vocab_size < weight.shape[0]:
         weight, bias = weight[:vocab_size], None if bias is None else bias[:vocab_size]
-    device = hidden.device
-    selected = completion_mask.to(device) > 0
-    logprobs_n, entropy_n = LogprobsFromHidden.apply(
-        hidden, weight, bias, labels, float(temperature), chunk_size, with_entropy
-    )
-    logprobs = torch.zeros(batch_size, completion_len, dtype=torch.float32, device=device)
-    logprobs = logprobs.masked_scatter(selected, logprobs_n)
-    entropy = None
-    if with_entropy:
-        entropy = torch.zeros(batch_size, completion_len, dtype=torch.float32, device=device).masked_scatter(selected, entropy_n)
+    logprobs_m, entropy_m = LogprobsFromHidden.apply(hidden, weight, bias, labels, float(temperature), chunk_size,
+                                                     with_entropy)
+    selected = completion_mask.to(hidden.device) > 0
+    zeros = torch.zeros(batch_size, completion_len, dtype=torch.float32, device=hidden.device)
+    entropy = zeros.masked_scatter(selected, entropy_m) if with_entropy else None
     if not torch.is_grad_enabled():
         # No backward will come to release FSDP's gathered parameters (the root's, and any unit's that does
         # not reshard after forward); release them now, so they cannot go stale if an optimizer step
-        # happens before the next forward. FSDP modules are recognised by their reshard/unshard methods.
-        for module in model.modules():
-            if hasattr(module, "reshard") and hasattr(module, "unshard"):
-                module.reshard()
-    return logprobs, entropy
+        # happens before the next forward.
+        fsdp.reshard(model)
+    return zeros.masked_scatter(selected, logprobs_m), entropy

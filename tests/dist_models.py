@@ -3,15 +3,18 @@
 
 One launch covers: sharded forward/backward == one process (Llama and Qwen3, tied and untied; fp32 and bf16
 mixed precision), per-rank parameter + gradient + optimizer bytes, checkpoint export that plain transformers
-reloads to identical logits, distributed resume, rank-0 loading with meta initialisation, and the packed
-(padding-free) pass on the sharded model against the padded pass of one process.
+reloads to identical logits, distributed resume, rank-0 loading with meta initialisation, the packed
+(padding-free) pass on the sharded model against the padded pass of one process, and passes where one rank's
+micro-batch repeats a prompt and the other's does not.
 """
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from models import fsdp
@@ -69,10 +72,42 @@ def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
     return ((value.float() - reference.float()).norm() / reference.float().norm().clamp_min(1e-30)).item()
 
 
+def uneven_sharing_case() -> dict:
+    """Rank 0's micro-batch repeats a prompt, rank 1's does not: a no-grad pass (old or reference logprobs, as
+    with kl_coef > 0 or ppo_epochs > 1) and an update pass on a sharded Qwen3, against one process. FSDP pairs
+    every layer's all-gather across ranks, so a pass that ran more forwards on one rank than on the other would
+    hang; the mesh's group times out after 30 s, so that fails here instead of waiting for gloo's 30 minutes."""
+    rank = dist.get_rank()
+    mesh = DeviceMesh.from_group(dist.new_group(timeout=timedelta(seconds=30)), "cpu")
+    prompts, completions = make_batch(seed=7)
+    prompts[1] = prompts[0]
+    rows = slice(2 * rank, 2 * rank + 2)
+    global_tokens = float(sum(len(c) for c in completions[:4]))
+    reference = tiny_model("qwen3", seed=17)
+    reference_loss = loss_of(reference, prompts[:4], completions[:4], global_tokens, share_prompts=False)
+    reference_loss.backward()
+    model = fsdp.shard(tiny_model("qwen3", seed=17), mesh, param_dtype=None)
+    local = pad_batch(prompts[rows], completions[rows], pad_id=2)
+    with torch.no_grad():
+        old_logprobs, _ = completion_logprobs(model, local, temperature=0.8)
+        expected_old, _ = completion_logprobs(reference, local, temperature=0.8, share_prompts=False)
+    no_grad_diff = torch.tensor((old_logprobs - expected_old).abs().max().item())
+    dist.all_reduce(no_grad_diff, op=dist.ReduceOp.MAX)
+    loss = loss_of(model, prompts[rows], completions[rows], global_tokens)
+    loss.backward()
+    total_loss = loss.detach().clone()
+    dist.all_reduce(total_loss)
+    grads = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+             for name, p in model.named_parameters()}
+    return {"no_grad_logprobs_max_abs_diff": no_grad_diff.item(), "loss": reference_loss.item(),
+            "loss_abs_diff": abs(total_loss.item() - reference_loss.item()),
+            "grad_max_abs_diff": max((grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters())}
+
+
 def compare_case(arch: str, tie: bool, param_dtype, mesh, results: dict, out_dir: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    # Qwen3 cases: repeated prompts, so the sharded side runs two forwards (prompts, then completions on their
-    # cache) before one backward; the reference runs the plain single pass.
+    # Qwen3 cases: repeated prompts, which a sharded model shares by the packed pass (one forward, as every
+    # rank must run the same forwards); the reference runs the plain single pass.
     prompts, completions = make_batch(grouped=arch == "qwen3")
     global_tokens = float(sum(len(c) for c in completions))
     # One process: the whole batch through an unsharded fp32 copy.
@@ -156,8 +191,8 @@ def export_and_resume(model, optimizer, mesh, directory: Path) -> dict:
 
 
 def packed_case(arch: str, tie: bool, mesh) -> dict:
-    """The packed pass (models.packing) on the sharded model against the padded pass of one process: each rank
-    packs its half of the batch (Qwen3: repeated prompts, packed once each; Llama: distinct prompts)."""
+    """The packed pass (models.logprobs.pack_batch) on the sharded model against the padded pass of one process:
+    each rank packs its half of the batch (Qwen3: repeated prompts, packed once each; Llama: distinct prompts)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     prompts, completions = make_batch(seed=5, grouped=arch == "qwen3")
     global_tokens = float(sum(len(c) for c in completions))
@@ -187,7 +222,7 @@ def packed_case(arch: str, tie: bool, mesh) -> dict:
 
 def run_cases(mesh, shared: Path) -> dict:
     """Every case's measurements, keyed by case name; fp32 cases also export and resume under `shared`."""
-    results: dict = {}
+    results: dict = {"uneven_prompt_sharing": uneven_sharing_case()}
     for arch, tie in [("llama", True), ("llama", False), ("qwen3", True), ("qwen3", False)]:
         compare_case(arch, tie, None, mesh, results, shared)
     for arch, tie in [("llama", True), ("qwen3", False)]:

@@ -7,8 +7,8 @@ import torch
 
 import models.batching
 from models.batching import pad_batch
-from models.chunked_softmax import LogprobsFromLogits
-from models.logprobs import _check_common, completion_logprobs, prompt_groups, token_logprobs
+from models.chunked_softmax import LogprobsFromHidden
+from models.logprobs import completion_logprobs, prompt_groups
 from tiny import tiny_model
 
 
@@ -54,23 +54,24 @@ def test_pad_batch_rejects_non_int_pad():
         pad_batch([[1]], [[2]], pad_id=None)
 
 
-def token_entropy(logits, *, temperature=1.0, chunk_size=512):
-    """The chunked kernel's entropy of softmax(logits.float() / temperature): logits [B, T, V] -> [B, T] float32
-    (completion_logprobs(with_entropy=True) gets it from hidden states the same way)."""
-    _check_common(temperature, chunk_size)
+def chunked(logits, labels, *, temperature, chunk_size):
+    """The chunked kernel on given logits [B, T, V] -> (logprobs, entropy) [B, T] float32: the logits as the
+    hidden states and an identity output projection, which is exact (each logit is x * 1 plus zeros, in fp32),
+    so values and gradients with respect to the logits are the kernel's own."""
     batch, length, vocab = logits.shape
-    labels = torch.zeros(batch * length, dtype=torch.long, device=logits.device)
-    _, entropy = LogprobsFromLogits.apply(logits.reshape(batch * length, vocab), labels, float(temperature), chunk_size, True)
-    return entropy.view(batch, length)
+    identity = torch.eye(vocab, dtype=logits.dtype)
+    logprobs, entropy = LogprobsFromHidden.apply(logits.reshape(batch * length, vocab), identity, None,
+                                                 labels.reshape(-1), temperature, chunk_size, True)
+    return logprobs.view(batch, length), entropy.view(batch, length)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_token_logprobs_and_entropy_equal_naive(dtype):
+def test_chunked_logprobs_and_entropy_equal_naive(dtype):
     generator = torch.Generator().manual_seed(0)
     logits = (torch.randn(3, 7, 1000, generator=generator) * 3).to(dtype).requires_grad_()
     labels = torch.randint(0, 1000, (3, 7), generator=generator)
-    values = token_logprobs(logits, labels, temperature=0.7, chunk_size=4)
-    entropy = token_entropy(logits, temperature=0.7, chunk_size=5)
+    values, _ = chunked(logits, labels, temperature=0.7, chunk_size=4)
+    _, entropy = chunked(logits, labels, temperature=0.7, chunk_size=5)
     (values * 1.3 + entropy * 0.4).sum().backward()
     gradient, logits.grad = logits.grad, None
     expected_values, expected_entropy = naive(logits, labels, 0.7)
@@ -83,13 +84,14 @@ def test_token_logprobs_and_entropy_equal_naive(dtype):
     torch.testing.assert_close(gradient.float(), logits.grad.float(), atol=tolerance, rtol=tolerance)
 
 
-def test_token_logprobs_shape_and_argument_errors():
-    with pytest.raises(ValueError, match=r"\[B, T, V\]"):
-        token_logprobs(torch.zeros(2, 5), torch.zeros(2, dtype=torch.long))
+def test_completion_logprobs_shape_and_argument_errors():
+    model, batch = tiny_model("llama"), pad_batch([[5, 6]], [[7, 8]], pad_id=2)
+    with pytest.raises(ValueError, match=r"\[B, Lp\+T\]"):
+        completion_logprobs(model, {**batch, "input_ids": batch["input_ids"][0]})
     with pytest.raises(ValueError, match="temperature"):
-        token_logprobs(torch.zeros(1, 2, 5), torch.zeros(1, 2, dtype=torch.long), temperature=0.0)
+        completion_logprobs(model, batch, temperature=0.0)
     with pytest.raises(ValueError, match="chunk_size"):
-        token_entropy(torch.zeros(1, 2, 5), chunk_size=0)
+        completion_logprobs(model, batch, chunk_size=0)
 
 
 @pytest.mark.parametrize("arch, tie", [("llama", True), ("llama", False), ("qwen3", True), ("qwen3", False)])

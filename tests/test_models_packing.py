@@ -1,16 +1,17 @@
-"""Padding-free packed logprob passes (models.packing): the packed layout on a hand-made batch, per-segment
-attention against the block-diagonal mask and against a reference varlen kernel (the flash-attn layout), and
-completion_logprobs(packed=True) equal to the padded pass in values (1e-5) and gradients (1e-4) on tiny
-Llama and Qwen3 models."""
+"""Padding-free packed logprob passes (models.logprobs.pack_batch, models.attention): the packed layout on a
+hand-made batch, per-segment attention against the block-diagonal mask and against a reference varlen kernel
+(the flash-attn layout), and completion_logprobs(packed=True) equal to the padded pass in values (1e-5) and
+gradients (1e-4) on tiny Llama and Qwen3 models."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from bench.packed import segment_mask
+from models.attention import flash_varlen_attention, segment_attention, varlen_layout
 from models.batching import pad_batch
-from models.logprobs import completion_logprobs, prompt_groups
-from models.packing import _segment_attention, flash_varlen_attention, pack_batch, segment_mask, varlen_layout
+from models.logprobs import completion_logprobs, pack_batch, prompt_groups
 from tiny import tiny_model
 
 
@@ -63,7 +64,7 @@ def random_heads(seed: int, length: int = 19):
 
 def test_segment_attention_equals_sdpa_with_the_block_mask():
     query, key, value = random_heads(0)
-    per_segment = _segment_attention(query, key, value, SEGMENTS, scaling=0.3)
+    per_segment = segment_attention(query, key, value, SEGMENTS, scaling=0.3)
     masked = F.scaled_dot_product_attention(query, key, value, attn_mask=segment_mask(SEGMENTS, 19), scale=0.3,
                                             enable_gqa=True)
     torch.testing.assert_close(per_segment, masked, atol=1e-6, rtol=0)
@@ -91,7 +92,7 @@ def test_varlen_layout_feeds_a_varlen_kernel_the_same_attention():
     assert layout["cu_seqlens_q"].tolist() == [0, 5, 9, 10, 16, 19] and layout["cu_seqlens_k"].dtype == torch.int32
     assert layout["cu_seqlens_k"].tolist() == [0, 5, 12, 16, 22, 31] and layout["max_seqlen_k"] == 9
     varlen = flash_varlen_attention(query, key, value, layout, 0.3, reference_varlen)
-    torch.testing.assert_close(varlen, _segment_attention(query, key, value, SEGMENTS, scaling=0.3), atol=1e-6, rtol=0)
+    torch.testing.assert_close(varlen, segment_attention(query, key, value, SEGMENTS, scaling=0.3), atol=1e-6, rtol=0)
 
 
 def random_batch(seed: int, prompt_lengths, completion_lengths, group: int = 1):

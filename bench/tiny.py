@@ -1,9 +1,10 @@
-"""A tiny random-weight causal LM (Llama- or Qwen3-shaped) for tests, benchmarks and smoke runs: hidden 64, 2
-layers, built in well under a second, with the embedded SmolLM2 tokenizer's vocabulary size and special-token ids
-by default."""
+"""A tiny random-weight causal LM (Llama- or Qwen3-shaped) for benchmarks' smoke runs and the tests (tests/tiny.py):
+hidden 64, 2 layers, built in well under a second, with the embedded SmolLM2 tokenizer's vocabulary size and
+special-token ids by default."""
 from __future__ import annotations
 
 import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 # SmolLM2's special tokens, so that a tiny model generates and pads like the embedded default.
 BOS_ID, EOS_ID, PAD_ID = 1, 2, 2
@@ -23,8 +24,6 @@ def tiny_model(
     initializer_range is 0.1 rather than HF's 0.02 so that random logits are far from uniform and tests that
     compare positions or tokens see differences well above float noise.
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
-
     shape = dict(
         vocab_size=vocab_size,
         hidden_size=64,
