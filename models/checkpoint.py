@@ -289,13 +289,15 @@ def _verify(directory: Path, model: torch.nn.Module, optimizer) -> dict | None:
         state = json.loads((directory / STATE).read_text())
     except (ValueError, OSError) as error:
         raise ValueError(f"{directory / STATE} is damaged ({error})") from None
-    adapter = lora.is_lora(model)
-    if adapter and not state.get("lora"):
+    is_adapter = lora.is_lora(model)
+    if is_adapter and not state.get("lora"):
         raise ValueError(f"{directory} is not a LoRA checkpoint (model.lora is set): resume it with LoRA off")
-    if state.get("lora") and not adapter:
+    if state.get("lora") and not is_adapter:
         raise ValueError(f"{directory} is a LoRA checkpoint (adapter only): resume it with model.lora on")
-    payload = _read_adapter(directory, model) if adapter else None
-    if not adapter:
+    adapter = None
+    if is_adapter:
+        adapter = _read_adapter(directory, model)
+    else:
         with safe_open(directory / WEIGHTS, framework="pt") as handle:
             shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
         mismatch = fsdp.shape_mismatch({name: tuple(t.shape) for name, t in fsdp.named_weights(model)}, shapes)
@@ -303,8 +305,8 @@ def _verify(directory: Path, model: torch.nn.Module, optimizer) -> dict | None:
             raise ValueError(f"{directory / WEIGHTS} does not fit the model: {mismatch}")
     if optimizer is not None and not state.get("has_optimizer", False):
         raise ValueError(f"{directory} was saved without optimizer state; pass optimizer=None to load only the "
-                         f"{'adapter' if adapter else 'weights'}")
-    return payload
+                         f"{'adapter' if is_adapter else 'weights'}")
+    return adapter
 
 
 def load_checkpoint(

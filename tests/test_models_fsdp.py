@@ -1,4 +1,5 @@
-"""2-process FSDP2 on CPU (gloo): sharded training equals one process, memory halves, exports reload.
+"""2-process FSDP2 on CPU (gloo): sharded training equals one process, memory halves, exports reload, and ranks
+whose micro-batches differ in prompt sharing still run the same forwards.
 
 All checks come from ONE torchrun launch of tests/dist_models.py (each launch costs 10-20 s); the tests
 below read its results.json.
