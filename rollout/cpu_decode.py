@@ -129,7 +129,6 @@ class CPUDecoding:
         # Causal over the real columns; a padding position attends to itself alone, so its keys stay finite.
         own = torch.eye(length, dtype=torch.bool, device=real.device)
         allowed = torch.ones_like(own).tril() & (real[:, None, :] | own)  # [P, Lp, Lp]
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=real.device).masked_fill_(~allowed, float("-inf"))
         self.prompt_mask = torch.zeros(real.shape, dtype=dtype, device=real.device).masked_fill_(
             ~real, float("-inf"))[:, None, None, :]
         self.prompt_keys, self.prompt_values = [], []
@@ -137,7 +136,7 @@ class CPUDecoding:
         def attend(index: int, query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
             self.prompt_keys.append(key.contiguous())
             self.prompt_values.append(value.contiguous())
-            output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[:, None], scale=scale,
+            output = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed[:, None], scale=scale,
                                                     enable_gqa=True)
             return output.transpose(1, 2).reshape(*input_ids.shape, -1)
 
