@@ -199,7 +199,8 @@ class TransformersDecoding:
 
     def prefill(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
         """The left-padded prompts [P, Lp]; returns the next-token logits of the P * n rows, [P * n, V]."""
-        logits, self.attention_mask = self._forward(input_ids, attention_mask, position_ids), attention_mask
+        self.attention_mask = attention_mask
+        logits = self._forward(input_ids, attention_mask, position_ids)
         rows = torch.arange(len(input_ids), device=input_ids.device).repeat_interleave(self.n)
         self.keep(rows)  # each prompt's keys and values copied to its n rows
         return logits[rows]
