@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     results["hf_engine_with_eos"] = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
 
     if args.vllm:
-        from launch.engines import vllm_engine as build_vllm_engine
+        from bench.gpu_common import vllm_engine as build_vllm_engine
 
         start = time.perf_counter()
         vllm_engine = build_vllm_engine(resolve_model_dir(None), "rollout.max_model_len=1024")

@@ -70,6 +70,22 @@ def offline_tokenizer(vocab_size: int):
     return tokenizer
 
 
+def vllm_engine(model_dir, *overrides: str, world_size: int = 1, dp_rank: int = 0):
+    """A VLLMEngine for `model_dir` outside a run (tests, benchmarks): the plan of the default config with
+    `overrides` (e.g. "rollout.max_model_len=512") on this machine. Where a process group is already up (even of
+    one rank), vLLM joins it through the external launcher instead of making its own."""
+    import torch.distributed as dist
+
+    from launch.plan import Target, vllm_arguments
+    from launch.recipe import load_config
+    from rollout.vllm_engine import VLLMEngine
+    cfg = load_config(None, ["rollout.engine=vllm", *overrides])
+    arguments = vllm_arguments(cfg, Target.here(world_size), str(model_dir), dp_rank)
+    if dist.is_available() and dist.is_initialized():
+        arguments["distributed_executor_backend"] = "external_launcher"
+    return VLLMEngine(arguments)
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

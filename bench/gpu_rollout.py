@@ -62,7 +62,7 @@ def measure_vllm(args, device: torch.device, tokenizer, work_dir: str, results) 
     from bench.gpu_common import build_model, one_rank_mesh
     from models.fsdp import shard
     from rollout.sync import sync_weights
-    from launch.engines import vllm_engine
+    from bench.gpu_common import vllm_engine
 
     policy = build_model(args.tiny, device, torch.float32, "sdpa")
     engine_dtype = "bfloat16" if device.type == "cuda" else "float32"

@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from bench.flops import DecoderShape, measure_peak_flops, step_flops
 from bench.report import write_results
@@ -102,10 +103,10 @@ class PhaseMemory:
 
 
 def _instrument(parts, memory: PhaseMemory, generated: list[dict]) -> tuple:
-    """Wrap the parts' engine, sync and logger; hook the models. Returns (the parts to train with, the hooks)."""
+    """Wrap the rollout's engine and sync and the logger; hook the models. Returns (the parts, the hooks)."""
     import torch
 
-    engine, sync, log_metrics = parts.engine, parts.sync_weights, parts.log.metrics
+    engine, sync, log_metrics = parts.rollout.engine, parts.rollout.sync_weights, parts.log.metrics
     in_generate = [False]
     original_generate = engine.generate
     prefill_seconds = [0.0]
@@ -132,18 +133,24 @@ def _instrument(parts, memory: PhaseMemory, generated: list[dict]) -> tuple:
         memory.enter("reward")
         return completions
 
-    # HFEngine: a forward of more than one new token per row is the prefill; the rest of generate is decoding.
-    if hasattr(engine, "_next_logits"):
-        original_next_logits = engine._next_logits
+    # HFEngine: the prefill of either of its forward paths (rollout.cpu_decode's or the model's own); the rest of
+    # generate is decoding. The classes stay patched until the returned hooks are removed.
+    from rollout.cpu_decode import CPUDecoding
+    from rollout.hf_engine import TransformersDecoding
 
-        def next_logits(input_ids, *args):
+    def timed_prefill(decoding):
+        original = decoding.prefill
+
+        def prefill(self, *args):
             started = time.perf_counter()
-            logits = original_next_logits(input_ids, *args)
-            if input_ids.shape[1] > 1:
-                prefill_seconds[0] += time.perf_counter() - started
+            logits = original(self, *args)
+            prefill_seconds[0] += time.perf_counter() - started
             return logits
 
-        engine._next_logits = next_logits
+        decoding.prefill = prefill
+        return SimpleNamespace(remove=lambda: setattr(decoding, "prefill", original))
+
+    patches = [timed_prefill(decoding) for decoding in (CPUDecoding, TransformersDecoding)]
 
     def forward_pre_hook(module, args):
         if in_generate[0]:
@@ -168,11 +175,12 @@ def _instrument(parts, memory: PhaseMemory, generated: list[dict]) -> tuple:
 
     engine.generate = generate
     parts.log.metrics = metrics
+    parts.rollout.sync_weights = sync_weights
     models = [parts.policy.model]
-    if parts.reference_logprobs is not None and parts.reference_logprobs.model is not parts.policy.model:
-        models.append(parts.reference_logprobs.model)
+    if parts.reference is not None and parts.reference is not parts.policy.model:
+        models.append(parts.reference)
     hooks = [model.register_forward_pre_hook(forward_pre_hook) for model in models]
-    return dataclasses.replace(parts, sync_weights=sync_weights), hooks
+    return parts, hooks + patches
 
 
 def _step_report(record: dict, memory: PhaseMemory, step: int, ppo_epochs: int) -> dict:
@@ -207,8 +215,8 @@ def prepare_model(model: str | None, quick: bool, work_dir: Path) -> str | None:
     embedded tokenizer."""
     if not quick:
         return None if model in (None, "default") else model
+    from bench.tiny import tiny_model
     from models import load_tokenizer
-    from models.tiny import tiny_model
     directory = work_dir / "tiny"
     tiny_model("llama", seed=0).save_pretrained(directory)
     load_tokenizer(None).save_pretrained(directory)
@@ -262,11 +270,10 @@ def run_steps(overrides: list[str], *, sync: str = "shared", no_eos: bool = Fals
 
     from grpo.trainer import train_rl
     from launch.build import build
-    from launch.config import load_config
-    from models import load_model
     from launch.dist import init_distributed, shutdown
+    from launch.recipe import load_config
+    from models import load_model
     from rollout.hf_engine import HFEngine
-    from rollout.sync import sync_weights
 
     cfg = load_config(None, overrides)
     dist = init_distributed()
@@ -277,24 +284,24 @@ def run_steps(overrides: list[str], *, sync: str = "shared", no_eos: bool = Fals
         if sync == "copy" or no_eos:
             if cfg.rollout.engine != "hf":
                 raise ValueError(f"--sync copy / --no-eos need rollout.engine=hf, got {cfg.rollout.engine!r}")
-            model, tokenizer = parts.policy.model, parts.engine.tokenizer
+            rollout = parts.rollout
+            model, tokenizer = parts.policy.model, rollout.engine.tokenizer
             vocab_rows = model.get_output_embeddings().weight.shape[0]
             # An id past the vocabulary is never sampled, so no completion ends before max_new_tokens.
             eos = [vocab_rows] if no_eos else None
-            if sync == "copy" and parts.engine.shared:
+            if sync == "copy" and rollout.engine.shared:
                 # The engine's own copy in the compute dtype, as launch.plan gives a sharded run.
                 load = dict(dtype=getattr(torch, cfg.model.param_dtype), device=dist.device,
                             attn_implementation=model.config._attn_implementation,
                             trust_remote_code=cfg.model.trust_remote_code)
-                engine = HFEngine(load_model(cfg.model.name_or_path, **load).eval().requires_grad_(False), tokenizer,
-                                  shared=False, eos_token_ids=eos)
-                sync_copy = lambda: sync_weights(model, engine, bucket_bytes=cfg.rollout.sync_bucket_mb << 20)  # noqa: E731
-                sync_copy()
-                parts = dataclasses.replace(parts, sync_weights=sync_copy, engine=engine)
+                rollout.engine = HFEngine(load_model(cfg.model.name_or_path, **load).eval().requires_grad_(False),
+                                          tokenizer, shared=False, eos_token_ids=eos)
+                rollout.policy = model  # its weights go into the copy after every update (rollout.sync.sync_weights)
+                rollout.sync_weights()
             elif eos is not None:
-                parts.engine.eos_token_ids = eos  # the engine the run built (launch.plan), never stopping early
+                rollout.engine.eos_token_ids = eos  # the engine the run built (launch.plan), never stopping early
         if cut_to is not None:
-            cut_completions(parts.engine, cut_to, cfg.seed)
+            cut_completions(parts.rollout.engine, cut_to, cfg.seed)
         memory = PhaseMemory(cuda=dist.device.type == "cuda")
         generated: list[dict] = []
         parts, hooks = _instrument(parts, memory, generated)
@@ -310,7 +317,7 @@ def run_steps(overrides: list[str], *, sync: str = "shared", no_eos: bool = Fals
             memory.close()
         wall = time.perf_counter() - started
         steps = [_step_report(record, memory, step, cfg.algorithm.ppo_epochs) for step, record in enumerate(generated)]
-        logprob_passes = int(cfg.algorithm.ppo_epochs > 1) + int(parts.reference_logprobs is not None)
+        logprob_passes = int(cfg.algorithm.ppo_epochs > 1) + int(parts.reference is not None)
         return {"steps": steps, "wall_seconds": wall, "started_at": started, "started_cpu": started_cpu,
                 "peak_reset": memory.peak_reset, "ppo_epochs": cfg.algorithm.ppo_epochs, "kl_coef": cfg.algorithm.kl_coef,
                 "shape": DecoderShape.of(parts.policy.model).__dict__, "micro_batch_size": cfg.trainer.micro_batch_size,

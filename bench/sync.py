@@ -58,7 +58,7 @@ def child(args) -> None:
     dist.barrier()
     model_dir = resolve_model_dir(None)
     if args.engine == "vllm":
-        from launch.engines import vllm_engine
+        from bench.gpu_common import vllm_engine
 
         engine = vllm_engine(model_dir, "rollout.max_model_len=512", world_size=world_size, dp_rank=rank)
     else:

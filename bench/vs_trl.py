@@ -57,7 +57,7 @@ from pathlib import Path
 from bench.report import write_results
 
 
-# --allocator: which side's process keeps freed memory (launch/allocator.py). "shipped": each side as it
+# --allocator: which side's process keeps freed memory (launch/dist.py, keep_freed_memory). "shipped": each side as it
 # ships (ours does, through trainer.keep_freed_memory; TRL does not); "cached": both (TRL's process gets the
 # same two glibc settings as environment variables); "system": neither (glibc's defaults on both sides).
 ALLOCATORS = ("shipped", "cached", "system")
@@ -79,7 +79,7 @@ def fairness_settings(*, prompts: int, group: int, new_tokens: int, lr: float, s
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     bf16 = precision == "bf16"
-    from launch.allocator import ENVIRONMENT
+    from launch.dist import MALLOC_ENVIRONMENT as ENVIRONMENT
     batch = prompts * group
     ours = [f"rollout.n={group}", f"rollout.max_new_tokens={new_tokens}", "rollout.temperature=1.0",
             "rollout.top_p=1.0", "rollout.top_k=0", f"trainer.prompts_per_step={prompts}",
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads on both sides")
     parser.add_argument("--allocator", choices=ALLOCATORS, default="shipped",
                         help="shipped: ours keeps freed memory, TRL glibc's default; cached: both keep it; "
-                             "system: neither (launch/allocator.py)")
+                             "system: neither (launch/dist.py, keep_freed_memory)")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="fp32 on both sides, or bf16 compute over fp32 master weights on both (TRL's bf16=True)")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny random model, 1 round, 8 tokens")

@@ -1,5 +1,7 @@
-"""Advantage estimators behind one registry: GRPO, Dr. GRPO and the batch-std variant for outcome rewards and
-token-shaped returns; RLOO and REINFORCE++ for outcome rewards.
+"""From a step's rewards to its advantages: the penalties added to rewards first (DAPO's overlong shaping, the
+KL in the reward), DAPO's group filter, and the estimators behind one registry: GRPO, Dr. GRPO and the
+batch-std variant (one function, group_advantages, for outcome rewards and token-shaped returns); RLOO and
+REINFORCE++ for outcome rewards.
 
 Conventions: std with Bessel's correction, eps = 1e-6, and a group whose returns are all equal gets exactly 0 --
 zeroed explicitly, because float32 alone gives 0.056 for eight rewards of 0.7. An estimator whose statistics
@@ -37,6 +39,17 @@ def flat_groups(values: Tensor, group_size: int) -> Tensor:
     check_ndim(values, "values", 1)
     check_groups(values.shape[0], group_size)
     return _flat_groups(values.view(-1, group_size)).squeeze(1)
+
+
+def keep_groups(metric: Tensor, group_size: int) -> Tensor:
+    """DAPO's dynamic-sampling filter: keep a group only if its metric is not constant within it (Yu et al. 2025,
+    section 3.2). metric: [B] per-completion value (correctness by default, not the shaped reward: a length
+    penalty makes an all-correct group look informative when it is not). Returns [P] bool.
+
+    >>> keep_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), 2)
+    tensor([False,  True, False])
+    """
+    return ~flat_groups(metric, group_size)
 
 
 def batch_moments(values: Tensor, weights: Tensor | None = None) -> Tensor:
@@ -89,15 +102,29 @@ def _scale(grouped: Tensor, scale: str, batch_std: Tensor | float | None) -> Ten
     return torch.ones_like(grouped[:, :1])
 
 
-def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", eps: float = 1e-6,
-                     batch_std: Tensor | float | None = None) -> Tensor:
-    """Centre each group's rewards on its mean and, for GRPO, divide by its std.
+def completion_returns(rewards: Tensor, token_shaping: Tensor, mask: Tensor) -> Tensor:
+    """Each completion's mean return R_i + masked mean of token_shaping[i] (R_i for an all-padding row): the
+    value whose group statistics group_advantages takes when returns are shaped.
+    rewards: [B]; token_shaping, mask: [B, T]. Returns [B]."""
+    mask = mask.to(token_shaping.dtype)
+    return rewards + (token_shaping * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
 
-    rewards: [B] float, the B = P * G rewards of P consecutive groups of G completions.
+
+def group_advantages(rewards: Tensor, group_size: int, *, token_shaping: Tensor | None = None,
+                     mask: Tensor | None = None, scale: str = "group", eps: float = 1e-6,
+                     batch_std: Tensor | float | None = None) -> Tensor:
+    """Centre each group's returns on its mean and, for GRPO, divide by its std.
+
+    rewards: [B] float, the outcome rewards R_i of P consecutive groups of G = group_size completions.
+    token_shaping, mask: [B, T] (both or neither): per-token returns G_i(t) = R_i + token_shaping[i, t], e.g.
+             lambda * r_sent(i, t) from grpo.alignment.sentence_shaping (the sentence-level process reward).
+             The group statistics are then over each completion's masked mean return (completion_returns).
     scale:   "group" (GRPO), "batch" (group mean, batch std), "none" (Dr. GRPO, mean baseline only).
-    batch_std: for scale="batch", the std to divide by (e.g. moments_std of batch_moments summed over
-             ranks); None: the std of these B rewards.
-    Returns [B] float; a group whose rewards are all equal gets exactly 0.
+    batch_std: for scale="batch", the std to divide by (e.g. moments_std of batch_moments summed over ranks);
+             None: the std of these B values.
+    Returns [B] float without shaping, [B, T] with it (0 on padding): (G_i(t) - mu_g) / (sigma_g + eps).
+    A group whose (mean) returns are all equal is not scaled: its mean is its common value, so equal rewards
+    give exactly 0, and shaping of 0.1 is not divided by 0 + eps into 1e5.
 
     >>> group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 4, scale="none")
     tensor([ 0.2500, -0.7500,  0.2500,  0.2500])
@@ -108,64 +135,65 @@ def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", 
     check_floating(rewards, "rewards")
     check_choice(scale, "scale", SCALES)
     check_groups(rewards.shape[0], group_size)
-    grouped = rewards.view(-1, group_size)
-    centred = grouped - grouped.mean(dim=1, keepdim=True)
-    advantages = centred / (_scale(grouped, scale, batch_std) + eps) if scale != "none" else centred
-    advantages = torch.where(_flat_groups(grouped), torch.zeros_like(advantages), advantages)
-    return advantages.reshape(-1)
-
-
-def completion_returns(rewards: Tensor, token_shaping: Tensor, mask: Tensor) -> Tensor:
-    """Each completion's mean return R_i + masked mean of token_shaping[i] (R_i for an all-padding row): the
-    value whose group statistics shaped_advantages takes.
-    rewards: [B]; token_shaping, mask: [B, T]. Returns [B]."""
-    mask = mask.to(token_shaping.dtype)
-    return rewards + (token_shaping * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
-
-
-def shaped_advantages(
-    rewards: Tensor,
-    token_shaping: Tensor,
-    mask: Tensor,
-    group_size: int,
-    *,
-    scale: str = "group",
-    eps: float = 1e-6,
-    batch_std: Tensor | float | None = None,
-) -> Tensor:
-    """Advantages for per-token returns G_i(t) = R_i + token_shaping[i, t] (sentence-level process reward).
-
-    rewards:       [B] float, outcome reward R_i of each completion.
-    token_shaping: [B, T] float, e.g. lambda * r_sent(i, t) from grpo.alignment.sentence_shaping.
-    mask:          [B, T] 0/1, completion tokens.
-    Group statistics are taken over each completion's masked mean of G (an all-padding completion's mean
-    is R_i); A_i(t) = (G_i(t) - mu_g) / (sigma_g + eps) on masked tokens, 0 on padding.
-    A group whose per-completion means are all equal is left unscaled (G_i(t) - mu_g): dividing by 0 + eps
-    would turn shaping of 0.1 into advantages of 1e5. It is exactly 0 when its token returns are equal too.
-    With token_shaping == 0 this equals group_advantages broadcast over the mask. batch_std: as in
-    group_advantages, the std of the per-completion means (completion_returns) from outside.
-    Returns [B, T] float.
-    """
-    check_ndim(rewards, "rewards", 1)
-    check_ndim(token_shaping, "token_shaping", 2)
-    check_same_shape(token_shaping, "token_shaping", mask, "mask")
-    if token_shaping.shape[0] != rewards.shape[0]:
-        raise ValueError(f"rewards has shape {tuple(rewards.shape)} but token_shaping has {tuple(token_shaping.shape)}")
-    check_floating(rewards, "rewards")
-    check_choice(scale, "scale", SCALES)
-    check_groups(rewards.shape[0], group_size)
-    mask = mask.to(token_shaping.dtype)
-    returns = rewards[:, None] + token_shaping  # [B, T]
-    means = completion_returns(rewards, token_shaping, mask).view(-1, group_size)  # [P, G]
-    flat = _flat_groups(means)  # [P, 1]
+    means, returns = rewards, rewards[:, None]
+    if token_shaping is not None:
+        check_ndim(token_shaping, "token_shaping", 2)
+        check_same_shape(token_shaping, "token_shaping", mask, "mask")
+        if token_shaping.shape[0] != rewards.shape[0]:
+            raise ValueError(f"rewards has shape {tuple(rewards.shape)} but token_shaping has "
+                             f"{tuple(token_shaping.shape)}")
+        means, returns = completion_returns(rewards, token_shaping, mask), rewards[:, None] + token_shaping
+    grouped = means.view(-1, group_size)  # [P, G]
+    flat = _flat_groups(grouped)  # [P, 1]
     # In a flat group take the common value as the baseline (not a float mean of it) so equal returns give 0.
-    mu = torch.where(flat, means[:, :1], means.mean(dim=1, keepdim=True))
-    divisor = _scale(means, scale, batch_std) + eps if scale != "none" else torch.ones_like(mu)
+    mu = torch.where(flat, grouped[:, :1], grouped.mean(dim=1, keepdim=True))
+    divisor = _scale(grouped, scale, batch_std) + eps if scale != "none" else torch.ones_like(mu)
     divisor = torch.where(flat, torch.ones_like(divisor), divisor)
-    token_count = returns.shape[1]
-    centred = returns.view(-1, group_size, token_count) - mu[:, :, None]
-    advantages = (centred / divisor[:, :, None]).reshape(-1, token_count)
-    return advantages * mask
+    centred = returns.view(-1, group_size, returns.shape[1]) - mu[:, :, None]
+    advantages = (centred / divisor[:, :, None]).reshape(returns.shape)
+    return advantages[:, 0] if token_shaping is None else advantages * mask.to(advantages.dtype)
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, cache_len: int, factor: float = 1.0) -> Tensor:
+    """Penalty added to the reward of each completion (Yu et al. 2025, DAPO, eq. 13).
+
+    lengths: [B] completion lengths in tokens (int or float).
+    0 up to max_len - cache_len; then -(len - (max_len - cache_len)) / cache_len * factor, a linear ramp;
+    -factor at or beyond max_len. Returns [B] float32.
+
+    >>> overlong_penalty(torch.tensor([10, 16, 18, 20, 25]), max_len=20, cache_len=4)
+    tensor([ 0.0000,  0.0000, -0.5000, -1.0000, -1.0000])
+    """
+    check_ndim(lengths, "lengths", 1)
+    if not 0 < cache_len <= max_len:
+        raise ValueError(f"need 0 < cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}")
+    lengths = lengths.to(torch.float32)
+    start = max_len - cache_len
+    ramp = -(lengths - start) / cache_len * factor
+    penalty = torch.where(lengths <= start, torch.zeros_like(ramp), ramp)
+    return torch.where(lengths >= max_len, torch.full_like(ramp, -factor), penalty)
+
+
+def kl_reward_penalty(kl_values: Tensor, mask: Tensor, coef: float) -> Tensor:
+    """The KL penalty in the reward (verl's algorithm.use_kl_in_reward, ray_trainer.apply_kl_penalty): each
+    token's reward loses coef * kl_t, and since a group-relative advantage is outcome-level (verl's
+    compute_grpo_outcome_advantage sums the token rewards of a sequence) the completion's reward changes by
+
+        -coef * sum_t mask[i, t] * kl_values[i, t]
+
+    kl_values: [B, T] per-token KL estimates (grpo.losses.kl_penalty of the rollout policy's logprobs, i.e.
+    the old logprobs, against the reference's), no gradient; mask: [B, T] 0/1; coef >= 0 (a fixed coefficient:
+    verl's kl_ctrl type "fixed"). Returns [B] float, <= 0 for non-negative estimators (k2, k3, abs).
+
+    >>> kl = torch.tensor([[0.5, 0.25, 9.0], [0.1, 0.0, 0.0]])
+    >>> kl_reward_penalty(kl, torch.tensor([[1, 1, 0], [1, 0, 0]]), 0.1)
+    tensor([-0.0750, -0.0100])
+    """
+    check_ndim(kl_values, "kl_values", 2)
+    check_same_shape(mask, "mask", kl_values, "kl_values")
+    if not coef >= 0:
+        raise ValueError(f"coef must be >= 0, got {coef}")
+    return -coef * (kl_values.detach() * mask.to(kl_values.dtype)).sum(dim=1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -212,17 +240,17 @@ def register_estimator(name: str, *, token_returns: bool) -> Callable[[Callable[
 @register_estimator("grpo", token_returns=True)
 def grpo_advantages(rewards: Tensor, token_shaping: Tensor, mask: Tensor, group_size: int, *, eps: float,
                     weights: Tensor | None, all_reduce_sum: AllReduceSum) -> Tensor:
-    """GRPO (Shao et al. 2024, DeepSeekMath): (G_i(t) - mean_g) / (std_g + eps), the group's Bessel std.
-    shaped_advantages(scale="group"); per-rank by construction (a group never spans two ranks)."""
-    return shaped_advantages(rewards, token_shaping, mask, group_size, scale="group", eps=eps)
+    """GRPO (Shao et al. 2024, DeepSeekMath): (G_i(t) - mean_g) / (std_g + eps), the group's Bessel std;
+    per-rank by construction (a group never spans two ranks)."""
+    return group_advantages(rewards, group_size, token_shaping=token_shaping, mask=mask, scale="group", eps=eps)
 
 
 @register_estimator("dr_grpo", token_returns=True)
 def dr_grpo_advantages(rewards: Tensor, token_shaping: Tensor, mask: Tensor, group_size: int, *, eps: float,
                        weights: Tensor | None, all_reduce_sum: AllReduceSum) -> Tensor:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training"): G_i(t) - mean_g, no std (dividing by
-    it up-weights prompts that are nearly always or nearly never solved). shaped_advantages(scale="none")."""
-    return shaped_advantages(rewards, token_shaping, mask, group_size, scale="none", eps=eps)
+    it up-weights prompts that are nearly always or nearly never solved)."""
+    return group_advantages(rewards, group_size, token_shaping=token_shaping, mask=mask, scale="none", eps=eps)
 
 
 @register_estimator("batch_std", token_returns=True)
@@ -231,10 +259,11 @@ def batch_std_advantages(rewards: Tensor, token_shaping: Tensor, mask: Tensor, g
     """Group mean, batch std (the pairing "Tricks or Traps? A Deep Dive into RL for LLM Reasoning", Liu et al.
     2025, recommends): (G_i(t) - mean_g) / (std_batch + eps), std_batch over every rank's batch. The std is of
     the completions' mean returns (completion_returns) whose weight is non-zero, from (count, sum, sum of
-    squares) summed over ranks in float64 by one all_reduce_sum. shaped_advantages(scale="batch")."""
+    squares) summed over ranks in float64 by one all_reduce_sum."""
     moments = batch_moments(completion_returns(rewards, token_shaping, mask), weights)
     batch_std = moments_std(all_reduce_sum(moments).to(moments.device))
-    return shaped_advantages(rewards, token_shaping, mask, group_size, scale="batch", eps=eps, batch_std=batch_std)
+    return group_advantages(rewards, group_size, token_shaping=token_shaping, mask=mask, scale="batch", eps=eps,
+                            batch_std=batch_std)
 
 
 @register_estimator("rloo", token_returns=False)
@@ -281,13 +310,10 @@ def reinforce_pp_advantages(rewards: Tensor, token_shaping: Tensor, mask: Tensor
     return whitened.to(rewards.dtype) * mask.to(rewards.dtype)
 
 
-ESTIMATOR_NAMES = tuple(ESTIMATORS)  # config choices (algorithm.adv_estimator)
-
-
 def compute_advantages(estimator: str, rewards: Tensor, token_shaping: Tensor, mask: Tensor, group_size: int, *,
                        eps: float = 1e-6, weights: Tensor | None = None,
                        all_reduce_sum: AllReduceSum = lambda t: t) -> Tensor:
-    """The advantages of one rollout batch with the registered `estimator` (ESTIMATOR_NAMES): the one call the
+    """The advantages of one rollout batch with the registered `estimator` (ESTIMATORS): the one call the
     loop makes. Arguments as in register_estimator; returns [B, T] float, 0 on padding.
 
     An estimator registered with token_returns=False is defined for outcome rewards only: a non-zero

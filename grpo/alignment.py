@@ -74,7 +74,7 @@ def sentence_shaping(index: Tensor, sentence_rewards, coef: float = 1.0) -> Tens
 
     index:            LongTensor [T] from token_sentence_index.
     sentence_rewards: S floats (list or [S] tensor).
-    Returns [T] float32 (a row of grpo.advantages.shaped_advantages' token_shaping).
+    Returns [T] float32 (a row of grpo.advantages.group_advantages' token_shaping).
 
     >>> sentence_shaping(torch.tensor([0, 0, -1, 1]), [0.1, -0.3], coef=1.0)
     tensor([ 0.1000,  0.1000,  0.0000, -0.3000])

@@ -1,21 +1,37 @@
-"""The algorithm's settings (`algorithm.*` of a recipe): one dataclass, a docstring per field, the valid choices
-and numeric ranges beside the field that takes them, and the two helpers every section of the run's schema
-(launch/schema.py) declares its fields with. The choice lists are the math's own (grpo/advantages.py,
-grpo/losses.py), so a value the schema accepts is one the math knows. launch/build.py turns these settings into
-the frozen specs the loops receive (grpo/parts.py); the math never sees this object.
+"""The run's settings: one frozen dataclass per section of a recipe, a docstring per field, each field's valid
+choices or range beside it, and the rules that relate fields (`check`) written once, below the declarations.
+
+A section checks its own fields' choices and ranges when it is built (from a recipe by launch/recipe.py, or in
+code), naming the key, the value and the range. `check` relates fields to each other and to the world size;
+start-up and `--dry-run` run it before anything loads. The code that uses a setting receives its section (or
+the whole Config) and reads the same name: there is no second layer that copies or renames settings.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
-from grpo.advantages import ESTIMATOR_NAMES
-from grpo.losses import AGGREGATIONS, IS_LEVELS, KL_KINDS, POLICY_LOSSES, RATIO_LEVELS
+from grpo.advantages import ESTIMATORS
+from rewards.cooccurrence import SEMANTICS
+
+STAGES = ("rl", "sft")
+DTYPES = ("float32", "bfloat16")
+ATTENTIONS = ("auto", "sdpa", "eager", "flash_attention_2")
+ENGINES = ("hf", "vllm")
+RESUMES = ("never", "auto", "always")
+PLACEMENTS = ("colocated", "separate")
+SCHEDULES = ("constant", "linear", "cosine")
+EXTRACTORS = ("rule", "model")
+# The loss's modes (grpo.losses implements one entry per name).
+POLICY_LOSSES = ("ppo", "cispo")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "abs", "k2", "k3")
+RATIO_LEVELS = ("token", "sequence")
+IS_LEVELS = ("token", "sequence")
 
 
-def choice(default: str, choices: tuple[str, ...]):
-    """A string field whose value must be one of `choices` (launch/config.py checks it when a recipe is read)."""
-    return field(default=default, metadata={"choices": choices})
+class ConfigError(ValueError):
+    """A recipe, an override or a combination of settings that cannot run; the message names the key."""
 
 
 @dataclass(frozen=True)
@@ -50,26 +66,170 @@ class Range:
         return "a finite number"
 
 
+def choice(default: str, choices: tuple[str, ...]):
+    """A string field whose value must be one of `choices`."""
+    return field(default=default, metadata={"choices": choices})
+
+
 def bounded(default, low: float | None = None, high: float | None = None, *, low_open: bool = False,
             high_open: bool = False):
     """A numeric field (int, float, an optional one, or a list of numbers: each element) whose value must lie in
-    Range(low, high, ...); launch/config.py checks it when a recipe is read. None, where the type allows it,
-    is always accepted (it means "off")."""
+    Range(low, high, ...). None, where the type allows it, is always accepted (it means "off")."""
     metadata = {"range": Range(low, high, low_open, high_open)}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata)
     return field(default=default, metadata=metadata)
 
 
-@dataclass
-class AlgorithmConfig:
-    adv_estimator: str = choice("grpo", ESTIMATOR_NAMES)
-    """The advantage estimator (grpo.advantages): grpo (group mean and std), dr_grpo (group mean only), batch_std
-    (group mean, the std of the whole batch over all ranks), rloo (leave-one-out mean), reinforce_pp (REINFORCE++:
-    the batch-normalised return). Sentence rewards shape the returns of grpo, dr_grpo and batch_std only."""
+class Section:
+    """Checks its fields' choices and ranges when built; KEY is the section's dotted name in a recipe."""
+    KEY = ""
+
+    def __post_init__(self):
+        for spec in fields(self):
+            value, key = getattr(self, spec.name), f"{self.KEY}{spec.name}"
+            allowed = spec.metadata.get("choices")
+            if allowed and value not in allowed:
+                raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
+            valid = spec.metadata.get("range")
+            for index, number in enumerate(value if isinstance(value, list) else [value]):
+                if valid is not None and number is not None and not valid.contains(number):
+                    where = f"{key}[{index}]" if isinstance(value, list) else key
+                    raise ConfigError(f"{where}={number!r} is out of range: it must be {valid}")
+
+
+@dataclass(frozen=True)
+class LoraConfig(Section):
+    KEY = "model.lora."
+    enabled: bool = False
+    """Train peft LoRA adapters only; the KL reference is the policy with adapters off; engines get merged weights."""
+    rank: int = bounded(16, 1)
+    """LoRA rank r (the published factual-QA runs used 128)."""
+    alpha: float = bounded(32.0, 0, low_open=True)
+    """LoRA alpha; the update is scaled by alpha / rank (published: 256)."""
+    dropout: float = bounded(0.0, 0, 1, high_open=True)
+    """Dropout on the adapter input."""
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                               "gate_proj", "up_proj", "down_proj"])
+    """Linear layers that get adapters (not lm_head: the logprob pass reads its weight directly)."""
+    merged_export: bool = False
+    """Also write a merged HF model under checkpoints/step_<n>/merged (what init_from / eval / vLLM load)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig(Section):
+    KEY = "model."
+    name_or_path: str | None = None
+    """Local HF directory, an HF id in the local cache, or null for the embedded SmolLM2-135M-Instruct."""
+    dtype: str = choice("float32", DTYPES)
+    """Master weight dtype."""
+    param_dtype: str = choice("float32", DTYPES)
+    """Compute dtype (FSDP2 mixed precision under torchrun, autocast in one process); gradients in float32."""
+    attn_implementation: str = choice("auto", ATTENTIONS)
+    """auto (flash_attention_2 on CUDA with flash-attn and a half compute dtype, else sdpa), sdpa or eager."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    trust_remote_code: bool = False
+    """Run code shipped with a model directory. Off unless you trust it."""
+    logprob_chunk_size: int = bounded(1024, 1)
+    """Completion positions projected to the vocabulary at once in logprob passes (bounds peak memory)."""
+    packed_logprobs: bool = False
+    """Padding-free logprob passes (each distinct prompt once, every completion at its length); sdpa / flash only."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (off by default)."""
+
+
+@dataclass(frozen=True)
+class DataConfig(Section):
+    KEY = "data."
+    train_files: list[str] = field(default_factory=list)
+    """Row files (JSONL or Parquet, verl format) to train on."""
+    eval_files: list[str] = field(default_factory=list)
+    """Held-out row files scored greedily at the start and the end of the run."""
+    eval_size: int = bounded(0, 0)
+    """Rows taken from eval_files (0: all)."""
+    shuffle: bool = True
+    """Shuffle training rows every epoch (seeded)."""
+    max_prompt_tokens: int = bounded(1024, 1)
+    """Prompts longer than this fail at start-up, naming the row."""
+
+
+@dataclass(frozen=True)
+class RewardConfig(Section):
+    KEY = "reward."
+    functions: dict[str, str] = field(default_factory=dict)
+    """Extra reward functions {data_source: "package.module:function" or "file.py:function"}, registered first."""
+    sentence_coef: float = bounded(1.0, 0)
+    """lambda of the sentence-level shaping G_i(t) = R_i + lambda * r_sent (only for rewards with sentences)."""
+    corpus_index: str | None = None
+    """infini-gram index directory for the factqa_corpus reward (`python -m rewards.corpus build`)."""
+    correct_threshold: float = bounded(0.5)
+    """Correct (accuracy, DAPO's filter) when the `acc` component, else the score, is at least this."""
+    triple_extractor: str = choice("rule", EXTRACTORS)
+    """factqa_corpus: rule-based triples, or a local causal LM prompted few-shot (its first valid triple)."""
+    triple_extractor_model: str | None = None
+    """The extractor LM for triple_extractor=model (local or cached); null: the embedded SmolLM2-135M-Instruct."""
+    triple_extractor_max_new_tokens: int = bounded(48, 1)
+    """Greedy tokens the extractor LM may write per sentence (one `head | relation | tail` line)."""
+    cooccurrence_semantics: str = choice("engine", SEMANTICS)
+    """factqa_corpus window: engine (infini-gram's count_cnf, the paper's) or document (docs/recipes.md)."""
+    num_workers: int = bounded(0, 0)
+    """Reward worker processes scoring a step's completions concurrently (0: in the training process)."""
+    timeout_s: float | None = bounded(None, 0, low_open=True)
+    """Seconds a reward call may take in a worker before the run ends naming the row; null waits forever."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig(Section):
+    KEY = "rollout."
+    engine: str = choice("hf", ENGINES)
+    """hf (transformers; CPU and tests) or vllm."""
+    n: int = bounded(4, 1)
+    """G: completions per prompt."""
+    max_new_tokens: int = bounded(64, 1)
+    """Response length limit."""
+    temperature: float = bounded(1.0, 0, low_open=True)
+    """Sampling temperature; the trainer's logprobs use the same temperature."""
+    top_p: float = bounded(1.0, 0, 1, low_open=True)
+    """Nucleus sampling; below 1 the update is off-policy by the truncation (a warning, or tis_cap refused)."""
+    top_k: int = bounded(0, 0)
+    """Top-k sampling; 0 is off (other than 0: as top_p)."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings; the completion ends with the token that completes one."""
+    num_threads: int | None = bounded(None, 1)
+    """torch threads while the transformers engine generates (null: torch's; 1 is faster on a busy CPU)."""
+    sync_bucket_mb: int = bounded(1024, 1)
+    """Weight-sync bucket size into the engine."""
+    sync_timeout_s: float = bounded(1800.0, 0, low_open=True)
+    """Seconds a weight sync may take; past it the rank ends naming the phase, step and rank (exit code 124)."""
+    vllm_kv_cache_mb: int = bounded(256, 1)
+    """vLLM's KV cache on CPU (kv_cache_memory_bytes); on GPUs vllm_gpu_memory_utilization sizes it."""
+    vllm_gpu_memory_utilization: float = bounded(0.4, 0, 1, low_open=True)
+    """Fraction of GPU memory vLLM may take."""
+    max_model_len: int | None = bounded(None, 1)
+    """vLLM's context; null: data.max_prompt_tokens plus the longest completion the run asks for."""
+    enforce_eager: bool | None = None
+    """vLLM without CUDA graphs; null: eager on CPU, CUDA graphs on GPUs."""
+    placement: str = choice("colocated", PLACEMENTS)
+    """colocated: every rank generates, then trains; separate: the last num_ranks ranks only generate (separate.py)."""
+    num_ranks: int = bounded(0, 0)
+    """placement=separate: the ranks that run engines (the last ones of the torchrun world)."""
+    tensor_parallel_size: int = bounded(1, 1)
+    """vLLM tensor parallelism: each group of this many consecutive ranks runs one replica."""
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks per engine replica: vLLM's tensor parallelism; the transformers engine is one rank."""
+        return self.tensor_parallel_size if self.engine == "vllm" else 1
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig(Section):
+    KEY = "algorithm."
+    adv_estimator: str = choice("grpo", tuple(ESTIMATORS))
+    """The advantage estimator (grpo.advantages); grpo, dr_grpo and batch_std take sentence rewards."""
     policy_loss: str = choice("ppo", POLICY_LOSSES)
-    """ppo (the clipped surrogate, with clip-higher and dual-clip; GSPO with ratio_level=sequence) or cispo
-    (MiniMax-M1: the clipped importance weight, detached, times the advantage times the log-probability)."""
+    """ppo (the clipped surrogate; GSPO with ratio_level=sequence) or cispo (clipped, detached IS weights)."""
     adv_eps: float = bounded(1e-6, 0)
     """eps in (r - mean) / (std + eps)."""
     clip_low: float = bounded(0.2, 0, 1, high_open=True)
@@ -77,37 +237,27 @@ class AlgorithmConfig:
     clip_high: float = bounded(0.2, 0)
     """epsilon_high (DAPO's clip-higher uses 0.28)."""
     dual_clip: float | None = bounded(None, 1, low_open=True)
-    """c > 1 caps the token loss at -A*c where A < 0; null is off."""
+    """c > 1 caps the token loss at -A*c where A < 0 (Ye et al. 2020); null is off."""
     agg: str = choice("token-mean", AGGREGATIONS)
-    """token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO)."""
+    """token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO; over max_new_tokens)."""
     kl_coef: float = bounded(0.0, 0)
-    """Weight of the KL penalty to the frozen reference model; 0 means no reference model at all."""
+    """Weight of the KL penalty to the frozen reference model; 0: no reference model at all."""
     kl_kind: str = choice("k3", KL_KINDS)
     """k1, abs, k2 or k3."""
     kl_in_reward: bool = False
-    """verl's use_kl_in_reward: kl_coef * KL (kl_kind, of the rollout policy against the reference) leaves the
-    reward instead of joining the loss: each completion's reward loses kl_coef * its summed token KL before
-    advantages (grpo.shaping.kl_reward_penalty). Needs kl_coef > 0."""
+    """verl's use_kl_in_reward: kl_coef * the summed token KL leaves the loss and is taken off the reward."""
     ppo_epochs: int = bounded(1, 1)
-    """Passes over each rollout batch. With one optimizer step per rollout (1 epoch, 1 mini-batch) the old
-    logprobs are the current ones detached; otherwise one extra pass computes them once, before the first
-    update."""
+    """Passes over each rollout batch."""
     ppo_mini_batch_size: int | None = bounded(None, 1)
-    """Prompts per optimizer step over ALL ranks, as in verl (trainer.prompts_per_step is per rank): each rank's
-    share is this / world size, which must divide trainer.prompts_per_step. Each mini-batch is one optimizer
-    step, each epoch visits them in order. null: the whole batch (one step per epoch)."""
+    """Prompts per optimizer step over ALL ranks, as in verl; null: the whole batch, one step per epoch."""
     cispo_clip_low: float | None = bounded(None, 0, 1)
-    """policy_loss=cispo: lower bound of the importance weight, clip(rho, 1 - low, ...); null is none (MiniMax-M1).
-    verl's CISPO uses PPO's clip_low here."""
+    """cispo: the weight is at least 1 - this; null: no lower bound (MiniMax-M1; verl uses clip_low)."""
     cispo_clip_high: float = bounded(4.0, 0)
-    """policy_loss=cispo: the weight is at most 1 + this (4: TRL's recommended cap of 5)."""
+    """cispo: the weight is at most 1 + this (4: ScaleRL's and TRL's cap of 5; TRL's epsilon_high - 1)."""
     ratio_level: str = choice("token", RATIO_LEVELS)
-    """token (PPO/GRPO/DAPO) or sequence (GSPO: one ratio per sequence, exp of the mean token log-ratio; needs
-    GSPO's small clip ranges, e.g. clip_low 3e-4, clip_high 4e-4, and agg seq-mean-token-mean, its mean over
-    sequences: start-up refuses any other agg)."""
+    """token (PPO/GRPO/DAPO) or sequence (GSPO: clips near 3e-4 / 4e-4 and agg seq-mean-token-mean)."""
     entropy_coef: float = bounded(0.0, 0)
-    """Entropy bonus: the loss subtracts entropy_coef * the aggregated token entropy (same agg and global
-    denominator as the policy loss); 0 is off."""
+    """Entropy bonus, aggregated as the policy loss; 0 is off."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose correctness is constant and generate more until the batch is full."""
     max_gen_batches: int = bounded(3, 1)
@@ -117,10 +267,247 @@ class AlgorithmConfig:
     overlong_factor: float = bounded(1.0, 0)
     """Maximum overlong penalty."""
     max_staleness: int = bounded(0, 0, 1)
-    """rollout.placement=separate: how many optimizer steps older than the trainer the weights that generated a
-    batch may be. 0: synchronous (the engines wait for every update); 1: one step off-policy (step n+1's batch is
-    generated during step n's update), the behaviour policy corrected by truncated IS (tis_cap)."""
+    """placement=separate: 1 lets the engines generate step n+1 during step n's update (needs tis_cap)."""
     tis_cap: float | None = bounded(None, 0, low_open=True)
-    """Truncated importance sampling cap C for the rollout/trainer mismatch; null is off."""
+    """Truncated IS for the rollout/trainer mismatch: weights min(exp(old - rollout), cap); null is off."""
     tis_level: str = choice("token", IS_LEVELS)
     """token or sequence."""
+
+
+@dataclass(frozen=True)
+class OptimConfig(Section):
+    KEY = "optim."
+    lr: float = bounded(1e-6, 0, low_open=True)
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = bounded(0.0, 0)
+    """AdamW weight decay."""
+    betas: list[float] = bounded([0.9, 0.999], 0, 1, high_open=True)
+    """AdamW betas."""
+    warmup_steps: int = bounded(0, 0)
+    """Linear warmup steps."""
+    schedule: str = choice("constant", SCHEDULES)
+    """constant, linear or cosine decay after warmup."""
+    min_lr_ratio: float = bounded(0.0, 0, 1)
+    """Final lr as a fraction of the peak for linear/cosine."""
+    grad_clip: float = bounded(1.0, 0)
+    """Max global gradient norm; 0 is off."""
+
+
+@dataclass(frozen=True)
+class TrainerConfig(Section):
+    KEY = "trainer."
+    steps: int = bounded(10, 1)
+    """Training steps (RL: one rollout each)."""
+    prompts_per_step: int = bounded(2, 1)
+    """P: prompts per rank per step (each rank owns whole groups)."""
+    micro_batch_size: int = bounded(8, 1)
+    """Sequences per forward/backward (when max_tokens_per_micro_batch is 0)."""
+    max_tokens_per_micro_batch: int = bounded(0, 0)
+    """Micro-batches of at most this many prompt + completion tokens instead, as many on every rank; 0 is off."""
+    sft_batch_size: int = bounded(8, 1)
+    """SFT: examples per step per rank."""
+    sft_max_len: int = bounded(1024, 1)
+    """SFT: longer examples fail at start-up."""
+    save_every: int = bounded(0, 0)
+    """Checkpoint every N steps (0: only at the end)."""
+    keep_last: int = bounded(0, 0)
+    """Keep only the newest K complete checkpoints (0: all)."""
+    resume: str = choice("never", RESUMES)
+    """never; auto: from the latest complete checkpoint when there is one (torchrun --max-restarts); always."""
+    collective_timeout_s: float = bounded(1800.0, 0, low_open=True)
+    """Seconds a collective may wait for the other ranks before the run fails naming phase, step and rank."""
+    nccl_blocking_wait: bool = True
+    """NCCL only: a timed-out collective raises in the calling thread (TORCH_NCCL_BLOCKING_WAIT=1)."""
+    out_dir: str = "runs"
+    """Parent of run directories."""
+    run_name: str = "run"
+    """out_dir/run_name/ holds config, metrics, samples, checkpoints."""
+    wandb_project: str | None = None
+    """Also log every step to this Weights & Biases project (pip install wandb; WANDB_MODE=offline works)."""
+    max_consecutive_skips: int = bounded(3, 1)
+    """Stop after this many optimizer steps skipped for a non-finite loss or gradient."""
+    warn_after_steps: int = bounded(3, 1)
+    """Warn when truncation or flat groups stay above their threshold this many steps in a row."""
+    warn_truncation: float = bounded(0.5, 0, 1)
+    """Truncation-rate threshold for the warning."""
+    warn_flat_groups: float = bounded(0.9, 0, 1)
+    """Flat-group-fraction threshold for the warning."""
+    eval_every: int = bounded(0, 0)
+    """Also score the held-out rows every N steps into metrics.jsonl (eval/*, with 95% intervals); 0: not between."""
+    eval_before: bool = True
+    """Score the held-out rows before the first step (and after the last one in any case)."""
+    eval_max_new_tokens: int = bounded(0, 0)
+    """Held-out evaluation length (0: rollout.max_new_tokens)."""
+    eval_batch_size: int = bounded(16, 1)
+    """Held-out prompts completed at once (larger: faster per prompt, more KV-cache memory)."""
+    keep_freed_memory: bool = True
+    """CPU: glibc keeps freed memory for reuse, so large tensors are not page-faulted in every step."""
+
+
+@dataclass(frozen=True)
+class Config(Section):
+    stage: str = choice("rl", STAGES)
+    """rl (GRPO/DAPO) or sft."""
+    seed: int = bounded(0, 0)
+    """Seeds data order, sampling and initialisation."""
+    init_from: str | None = None
+    """A checkpoint directory whose weights start this run (e.g. the SFT stage's final checkpoint)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @property
+    def eval_max_new_tokens(self) -> int:
+        return self.trainer.eval_max_new_tokens or self.rollout.max_new_tokens
+
+
+# --- The rules that relate settings -------------------------------------------------------------------------
+
+GSPO_AGGREGATION = "seq-mean-token-mean"
+# A sequence-level ratio (GSPO) moves by the MEAN token log-ratio, a few 1e-4 per update: a clip range meant
+# for token ratios (0.2) would never bind. GSPO's paper uses 3e-4 / 4e-4; anything above this is refused.
+SEQUENCE_CLIP_LIMIT = 0.05
+
+
+def check(cfg: Config, world_size: int = 1, *, whole_world: int | None = None) -> None:
+    """Every rule that relates settings to each other and to the world (ConfigError naming the keys).
+
+    world_size: the ranks that train; whole_world: every rank of the torchrun world (more than world_size when
+    rollout.placement=separate gives some ranks to the engines; default world_size)."""
+    trainer, rollout = cfg.trainer, cfg.rollout
+    if cfg.stage == "rl":
+        if rollout.n < 2:
+            raise ConfigError(f"rollout.n={rollout.n}: a group needs at least 2 completions for a baseline")
+        check_algorithm(cfg.algorithm)
+        _check_rl(cfg, world_size)
+        check_placement(cfg, whole_world or world_size)
+    if cfg.algorithm.overlong_cache_len > rollout.max_new_tokens:
+        raise ConfigError(f"algorithm.overlong_cache_len={cfg.algorithm.overlong_cache_len} exceeds "
+                          f"rollout.max_new_tokens={rollout.max_new_tokens}")
+    if trainer.eval_every > trainer.steps:
+        raise ConfigError(f"trainer.eval_every={trainer.eval_every} exceeds trainer.steps={trainer.steps}: no "
+                          "held-out point would fall inside the run (0 scores before and after only)")
+    if trainer.eval_every and not cfg.data.eval_files:
+        raise ConfigError(f"trainer.eval_every={trainer.eval_every} needs held-out rows: data.eval_files is empty")
+    if cfg.reward.timeout_s is not None and cfg.reward.num_workers == 0:
+        raise ConfigError(f"reward.timeout_s={cfg.reward.timeout_s} needs reward.num_workers >= 1: a reward call "
+                          "that hangs inside the training process cannot be abandoned")
+    if rollout.tensor_parallel_size > 1 and rollout.engine != "vllm":
+        raise ConfigError(f"rollout.tensor_parallel_size={rollout.tensor_parallel_size} needs rollout.engine=vllm "
+                          f"(the transformers engine runs on one rank)")
+    needed = cfg.data.max_prompt_tokens + max(rollout.max_new_tokens, trainer.eval_max_new_tokens)
+    if rollout.engine == "vllm" and rollout.max_model_len is not None and rollout.max_model_len < needed:
+        raise ConfigError(f"rollout.max_model_len={rollout.max_model_len} cannot hold the longest prompt allowed "
+                          f"(data.max_prompt_tokens={cfg.data.max_prompt_tokens}) plus "
+                          f"{needed - cfg.data.max_prompt_tokens} new tokens: {needed} would fit "
+                          f"(or null to size it so)")
+    model = cfg.model
+    if model.attn_implementation == "flash_attention_2" and model.param_dtype not in ("bfloat16", "float16"):
+        raise ConfigError(f"model.attn_implementation=flash_attention_2 computes in bf16/fp16 only, but "
+                          f"model.param_dtype={model.param_dtype}; set model.param_dtype=bfloat16 or use sdpa")
+    if model.packed_logprobs and model.attn_implementation == "eager":
+        raise ConfigError("model.packed_logprobs=true runs on sdpa or flash_attention_2; "
+                          "model.attn_implementation=eager cannot pack")
+
+
+def check_algorithm(algo: AlgorithmConfig) -> None:
+    """The algorithm settings that contradict each other."""
+    if algo.ratio_level == "sequence" and max(algo.clip_low, algo.clip_high) > SEQUENCE_CLIP_LIMIT:
+        raise ConfigError(f"algorithm.ratio_level=sequence (GSPO) with algorithm.clip_low={algo.clip_low}, "
+                          f"algorithm.clip_high={algo.clip_high}: a sequence ratio is exp of a MEAN log-ratio and "
+                          f"moves far less than a token's, so a token-level range never clips; GSPO uses "
+                          f"clip_low=3e-4, clip_high=4e-4 (at most {SEQUENCE_CLIP_LIMIT} accepted)")
+    if algo.policy_loss == "cispo" and (algo.dual_clip is not None or algo.ratio_level != "token"):
+        raise ConfigError(f"algorithm.policy_loss=cispo weighs each token by its clipped ratio: it takes no "
+                          f"algorithm.dual_clip ({algo.dual_clip}) and ratio_level token (got {algo.ratio_level})")
+    if algo.ratio_level == "sequence" and algo.agg != GSPO_AGGREGATION:
+        # GSPO's objective is a mean over sequences of the sequence-level surrogate; a token mean weights each
+        # sequence by its length, which is another objective (verl forces the same aggregation for GSPO).
+        raise ConfigError(f"algorithm.ratio_level=sequence (GSPO) with algorithm.agg={algo.agg}: GSPO's objective "
+                          f"is a mean over sequences; set algorithm.agg={GSPO_AGGREGATION}")
+    if algo.kl_in_reward and algo.kl_coef <= 0:
+        raise ConfigError(f"algorithm.kl_in_reward=true needs algorithm.kl_coef > 0 (got {algo.kl_coef}): it "
+                          f"is the coefficient of the KL subtracted from the reward")
+
+
+def _check_rl(cfg: Config, world_size: int) -> None:
+    """The RL batch arithmetic, and settings of different sections that contradict each other."""
+    algo, trainer, rollout = cfg.algorithm, cfg.trainer, cfg.rollout
+    mini = algo.ppo_mini_batch_size
+    if mini is not None and (mini % world_size or trainer.prompts_per_step % (mini // world_size)):
+        # verl's meaning: prompts per optimizer step over ALL ranks, whereas trainer.prompts_per_step is per rank.
+        raise ConfigError(f"algorithm.ppo_mini_batch_size={mini} (prompts per optimizer step over all "
+                          f"{world_size} ranks, as in verl) must be a multiple of the world size {world_size} "
+                          f"whose share per rank divides trainer.prompts_per_step={trainer.prompts_per_step} "
+                          f"(per rank): e.g. {trainer.prompts_per_step * world_size} for one optimizer step per "
+                          f"rollout")
+    rows = (mini // world_size if mini else trainer.prompts_per_step) * rollout.n
+    size = trainer.micro_batch_size
+    if not trainer.max_tokens_per_micro_batch and rows % size and size < rows:
+        raise ConfigError(f"trainer.micro_batch_size={size} does not divide the mini-batch of {rows} sequences "
+                          f"((algorithm.ppo_mini_batch_size or trainer.prompts_per_step) * rollout.n)")
+    if not ESTIMATORS[algo.adv_estimator].token_returns and cfg.reward.sentence_coef > 0:
+        # Refused here rather than at the first sentence reward: one rank raising alone would leave the others
+        # waiting in a collective.
+        raise ConfigError(f"algorithm.adv_estimator={algo.adv_estimator} is defined for outcome rewards only; set "
+                          f"reward.sentence_coef=0 (or use grpo, dr_grpo or batch_std for sentence rewards)")
+    if algo.tis_cap is not None and (rollout.top_p < 1 or rollout.top_k > 0):
+        # The engines report logprobs of the distribution they sampled from, here the renormalised nucleus;
+        # the trainer's are of the full one, so exp(old - rollout) would be each token's nucleus mass, a
+        # down-weighting of uncertain tokens, not the engine/trainer mismatch truncated IS is meant to correct.
+        raise ConfigError(f"algorithm.tis_cap={algo.tis_cap} with rollout.top_p={rollout.top_p}, rollout.top_k="
+                          f"{rollout.top_k}: truncated importance sampling compares the engine's logprobs of the "
+                          f"truncated distribution with the trainer's of the full one; sample with top_p: 1.0 "
+                          f"and top_k: 0, or set algorithm.tis_cap: null")
+
+
+def check_placement(cfg: Config, world_size: int) -> None:
+    """rollout.placement: rollout ranks that leave trainers, replicas that divide the trainers, the correction
+    that staleness needs; colocated, tensor-parallel replicas that tile the world. world_size: the whole world."""
+    rollout, algo = cfg.rollout, cfg.algorithm
+    if rollout.placement == "colocated":
+        if rollout.num_ranks:
+            raise ConfigError(f"rollout.num_ranks={rollout.num_ranks} needs rollout.placement=separate")
+        if algo.max_staleness:
+            raise ConfigError(f"algorithm.max_staleness={algo.max_staleness} needs rollout.placement=separate: "
+                              f"colocated ranks generate with the weights they train")
+        if world_size % rollout.tp_size:
+            raise ConfigError(f"rollout.tensor_parallel_size={rollout.tp_size} does not divide the world size "
+                              f"{world_size}: every rank must belong to one replica")
+        return
+    if not 0 < rollout.num_ranks < world_size:
+        raise ConfigError(f"rollout.placement=separate with rollout.num_ranks={rollout.num_ranks} in a world of "
+                          f"{world_size} ranks: at least one rank must generate and at least one must train "
+                          f"(launch with torchrun --nproc_per_node >= {rollout.num_ranks + 1})")
+    if rollout.tp_size > 1:
+        # A rollout rank's vLLM runs in a process and a world of its own (launch.plan.vllm_arguments); spanning
+        # several rollout ranks' devices with one tensor-parallel engine is not built.
+        raise ConfigError(f"rollout.tensor_parallel_size={rollout.tp_size} with rollout.placement=separate: each "
+                          f"rollout rank runs one engine on its own device (tensor_parallel_size 1); use more "
+                          f"rollout.num_ranks")
+    trainers, replicas = world_size - rollout.num_ranks, rollout.num_ranks
+    if trainers % replicas:
+        raise ConfigError(f"rollout.num_ranks={rollout.num_ranks} makes {replicas} engine replicas, which do not "
+                          f"divide the {trainers} trainer ranks: each replica serves an equal share of them")
+    if algo.max_staleness and algo.tis_cap is None:
+        raise ConfigError(f"algorithm.max_staleness={algo.max_staleness} needs algorithm.tis_cap: the batches come "
+                          f"from an older policy, which truncated importance sampling corrects")
+
+
+def startup_warnings(cfg: Config) -> list[str]:
+    """Settings that are allowed but train something a user may not expect; printed once at start-up."""
+    rollout = cfg.rollout
+    if cfg.stage == "rl" and cfg.algorithm.tis_cap is None and (rollout.top_p < 1 or rollout.top_k > 0):
+        # The engines sample from (and report logprobs of) the truncated, renormalised distribution; the
+        # trainer's old and new logprobs are of the full one. The update is then off-policy by the truncation,
+        # uncorrected, and logprob_gap reads the mean -log(kept mass) of the sampled tokens.
+        return [f"rollout.top_p={rollout.top_p}, rollout.top_k={rollout.top_k}: the engine samples from the "
+                f"truncated distribution, the trainer's ratio is of the full one, so the update is off-policy by "
+                f"the truncation and nothing corrects it; expect logprob_gap to read the mean -log(probability "
+                f"mass kept) of the sampled tokens (e.g. 0.69 where top_p=0.5 keeps half the mass) instead of ~0. "
+                f"Sample with top_p: 1.0 and top_k: 0 for on-policy RL"]
+    return []

@@ -86,11 +86,15 @@ def summarize(result: dict, prefix: str = "eval/") -> dict[str, float]:
     return out
 
 
-def evaluation_due(done: int, every: int, steps: int) -> bool:
-    """Whether the loops score the held-out rows after step `done` (0: before the first step): every `every`
-    steps, and after the last one (trainer.eval_every; 0 is off).
+def held_out_due(done: int, start: int, trainer) -> bool:
+    """Whether the loops score the held-out rows with the weights after `done` steps of a run that started at step
+    `start`: before its first step when trainer.eval_before, every trainer.eval_every steps (0: never between)
+    and after the last one. The one schedule, also for engine ranks of their own (launch/separate.py).
 
-    >>> [d for d in range(11) if evaluation_due(d, 4, 10)]
+    >>> from grpo.config import TrainerConfig
+    >>> [d for d in range(11) if held_out_due(d, 0, TrainerConfig(steps=10, eval_every=4))]
     [0, 4, 8, 10]
     """
-    return every > 0 and (done % every == 0 or done == steps)
+    if done == start:
+        return trainer.eval_before
+    return done == trainer.steps or (trainer.eval_every > 0 and done % trainer.eval_every == 0)

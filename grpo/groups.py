@@ -1,17 +1,49 @@
-"""Collect a step's groups: sample prompts, generate G completions each, score them, and (DAPO) keep only
-groups whose correctness varies, generating more until the batch is full or the round limit is hit.
+"""The rollout phase: where a step's scored groups come from, behind one seam (`Rollout`). `LocalRollout` is a
+rank whose own engine generates (the colocated placement, and each engine rank of rollout.placement=separate):
+the rank's prompts in a seeded order, G completions each, scored, and with DAPO's dynamic sampling only groups
+whose correctness varies, generating more until the batch is full or the round limit is hit. The other
+implementation, launch/separate.py's RemoteRollout, receives its batches from engine ranks of their own.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from grpo.filters import keep_groups
+from grpo.advantages import keep_groups
+from grpo.config import Config
+from grpo.evaluate import evaluate
 from grpo.scoring import Scorer
 from rollout.engine import stream_seed
+from rollout.sync import sync_weights
+
+
+class PromptSampler:
+    """Seeded epoch-wise shuffling of row indices; each replica reads its own stride (whole groups per rank, so
+    advantages need no collective). `position` (prompts consumed) is all the state a resumed run needs."""
+
+    def __init__(self, num_rows: int, *, seed: int, rank: int = 0, world_size: int = 1, shuffle: bool = True):
+        if num_rows < world_size:
+            raise ValueError(f"{num_rows} training rows cannot feed {world_size} ranks")
+        self.num_rows, self.seed, self.rank, self.world_size, self.shuffle = num_rows, seed, rank, world_size, shuffle
+        self.position = 0
+
+    def _order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_rows))
+        return torch.randperm(self.num_rows, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+
+    def next(self, count: int) -> list[int]:
+        per_epoch = self.num_rows // self.world_size
+        out = []
+        for _ in range(count):
+            epoch, offset = divmod(self.position, per_epoch)
+            out.append(self._order(epoch)[offset * self.world_size + self.rank])
+            self.position += 1
+        return out
 
 
 @dataclass
@@ -63,59 +95,100 @@ class Batch:
                    rounds=rounds, generated_groups=generated)
 
 
-def generate_groups(engine, scorer: Scorer, rows: Sequence[dict], prompt_ids: Sequence[list[int]],
-                    indices: Sequence[int], *, group_size: int, sampling: dict, seed: int) -> list[Group]:
-    """G scored completions for each of the prompts `indices`, one Group per prompt, in order."""
-    completions = engine.generate([prompt_ids[i] for i in indices], n=group_size, seed=seed, **sampling)
-    batch_rows = [rows[i] for i in indices for _ in range(group_size)]
-    scores = scorer.score([c.text for c in completions], [c.completion_ids for c in completions], batch_rows)
-    groups = []
-    for p in range(len(indices)):
-        span = slice(p * group_size, (p + 1) * group_size)
-        width = max(len(c.completion_ids) for c in completions[span])
-        groups.append(Group(completions[span], batch_rows[span], scores.rewards[span], scores.correct[span],
-                            scores.token_shaping[span, :width], {k: v[span] for k, v in scores.components.items()}))
-    return groups
+class Rollout(Protocol):
+    """What the loops need from the rollout: a step's batch, the weights pushed after an update, and the held-out
+    evaluation with the weights of `step` optimizer steps (grpo.evaluate.evaluate's result; None without
+    held-out rows). LocalRollout here; launch.separate.RemoteRollout when the engines run on ranks of their own."""
+
+    def collect(self, step: int) -> Batch: ...
+    def sync_weights(self) -> dict: ...
+    def evaluate(self, step: int) -> dict | None: ...
+    def close(self, stop_signal: int = 0) -> None: ...
 
 
-def collect_groups(engine, sampler, rows: Sequence[dict], prompt_ids: Sequence[list[int]], scorer: Scorer, *,
-                   num_prompts: int, group_size: int, sampling: dict, seed: int, dynamic_sampling: bool = False,
-                   max_rounds: int = 1, shares: int = 1, share: int = 0) -> Batch:
-    """Share `share` of collect_shares(...): num_prompts groups."""
-    return collect_shares(engine, sampler, rows, prompt_ids, scorer, num_prompts=num_prompts, group_size=group_size,
-                          sampling=sampling, seed=seed, dynamic_sampling=dynamic_sampling, max_rounds=max_rounds,
-                          shares=shares)[share]
+class LocalRollout:
+    """A rank's rollout on its own engine.
 
+    policy: the model whose weights sync_weights pushes into the engine, or None when the engine generates with
+    the policy module itself (one process, one dtype) or there is nothing to push (an engine rank of a separate
+    placement receives its weights by broadcast). rows / prompt_ids: the training rows and their rendered
+    prompts; eval_rows / eval_prompt_ids: the held-out ones (empty: no evaluation). dist: launch.dist.DistInfo
+    (the ranks of one tensor-parallel replica draw the same prompts and seeds and keep their own shares)."""
 
-def collect_shares(engine, sampler, rows: Sequence[dict], prompt_ids: Sequence[list[int]], scorer: Scorer, *,
-                   num_prompts: int, group_size: int, sampling: dict, seed: int, dynamic_sampling: bool = False,
-                   max_rounds: int = 1, shares: int = 1) -> list[Batch]:
-    """Generate and score until `shares * num_prompts` groups are kept (all of them without dynamic sampling),
-    and cut them into `shares` batches of num_prompts groups.
+    def __init__(self, cfg: Config, engine, scorer: Scorer, dist, *, rows: Sequence[dict],
+                 prompt_ids: Sequence[list[int]], eval_rows: Sequence[dict] = (),
+                 eval_prompt_ids: Sequence[list[int]] = (), policy: torch.nn.Module | None = None):
+        self.cfg, self.engine, self.scorer, self.dist, self.policy = cfg, engine, scorer, dist, policy
+        self.rows, self.prompt_ids, self.eval_rows, self.eval_prompt_ids = rows, prompt_ids, eval_rows, eval_prompt_ids
+        # One order over the rows per replica: the ranks of a tensor-parallel replica draw the same prompts.
+        self.sampler = PromptSampler(len(rows), seed=cfg.seed, rank=dist.dp_rank, world_size=dist.dp_size,
+                                     shuffle=cfg.data.shuffle) if rows else None
 
-    sampler: data.sampler.PromptSampler (`next(count)` -> row indices of this replica).
-    shares:  the trainer ranks one replica generates for: the ranks of a tensor-parallel replica (each runs this
-             with the same sampler state and seed, as vLLM needs, gets the same groups and keeps its own share), or
-             the trainers a replica on ranks of its own serves (launch/separate.py). 1: this rank alone.
-    With dynamic sampling (DAPO) a group is kept only when its correctness is not constant; a batch that is
-    still short after `max_rounds` rounds is filled with dropped groups whose loss weight is 0, so every rank
-    runs the same number of micro-batches (FSDP needs it). Round 0 generates with `seed` (the trainer's
-    rollout.engine.stream_seed(run seed, step, replica)), round r > 0 with stream_seed(seed, r): no round, step
-    or replica reuses another's stream.
-    """
-    wanted = shares * num_prompts
-    kept: list[Group] = []
-    dropped: list[Group] = []
-    rounds = 0
-    while len(kept) < wanted and rounds < (max_rounds if dynamic_sampling else 1):
-        groups = generate_groups(engine, scorer, rows, prompt_ids, sampler.next(wanted), group_size=group_size,
-                                 sampling=sampling, seed=seed if rounds == 0 else stream_seed(seed, rounds))
-        informative = keep_groups(torch.cat([g.correct for g in groups]), group_size)
-        for group, keep in zip(groups, informative.tolist()):
-            (kept if keep or not dynamic_sampling else dropped).append(group)
-        rounds += 1
-    chosen = kept[:wanted]
-    weights = [1.0] * len(chosen) + [0.0] * (wanted - len(chosen))
-    chosen += dropped[: wanted - len(chosen)]
-    return [Batch.from_groups(chosen[index:index + num_prompts], weights[index:index + num_prompts], rounds=rounds,
-                              generated=rounds * num_prompts) for index in range(0, wanted, num_prompts)]
+    def collect(self, step: int) -> Batch:
+        """This rank's P prompts x G completions of step `step`, scored; the engine's memory is then freed for the
+        update (vLLM on GPUs sleeps; a no-op elsewhere)."""
+        shares = self.collect_shares(stream_seed(self.cfg.seed, step, self.dist.dp_rank), self.dist.tp_size)
+        batch = shares[self.dist.tp_rank]
+        batch.policy_version = step
+        self.engine.sleep()
+        return batch
+
+    def generate_groups(self, indices: Sequence[int], seed: int) -> list[Group]:
+        """G scored completions for each of the prompts `indices`, one Group per prompt, in order."""
+        roll, group_size = self.cfg.rollout, self.cfg.rollout.n
+        completions = self.engine.generate([self.prompt_ids[i] for i in indices], n=group_size, seed=seed,
+                                           max_new_tokens=roll.max_new_tokens, temperature=roll.temperature,
+                                           top_p=roll.top_p, top_k=roll.top_k, stop=list(roll.stop))
+        batch_rows = [self.rows[i] for i in indices for _ in range(group_size)]
+        scores = self.scorer.score([c.text for c in completions], [c.completion_ids for c in completions],
+                                   batch_rows)
+        groups = []
+        for p in range(len(indices)):
+            span = slice(p * group_size, (p + 1) * group_size)
+            width = max(len(c.completion_ids) for c in completions[span])
+            groups.append(Group(completions[span], batch_rows[span], scores.rewards[span], scores.correct[span],
+                                scores.token_shaping[span, :width], {k: v[span] for k, v in scores.components.items()}))
+        return groups
+
+    def collect_shares(self, seed: int, shares: int) -> list[Batch]:
+        """Generate and score until `shares * P` groups are kept (all of them without dynamic sampling), and cut
+        them into `shares` batches of P = trainer.prompts_per_step groups.
+
+        shares: the trainer ranks one replica generates for: the ranks of a tensor-parallel replica (each runs
+        this with the same sampler state and seed, as vLLM needs, and keeps its own share), or the trainers an
+        engine rank of a separate placement serves. With dynamic sampling (DAPO) a group is kept only when its
+        correctness is not constant; a batch still short after algorithm.max_gen_batches rounds is filled with
+        dropped groups whose loss weight is 0, so every rank runs the same number of micro-batches (FSDP needs
+        it). Round 0 generates with `seed` (stream_seed(run seed, step, replica)), round r > 0 with
+        stream_seed(seed, r): no round, step or replica reuses another's stream.
+        """
+        algo, num_prompts = self.cfg.algorithm, self.cfg.trainer.prompts_per_step
+        wanted, kept, dropped, rounds = shares * num_prompts, [], [], 0
+        while len(kept) < wanted and rounds < (algo.max_gen_batches if algo.dynamic_sampling else 1):
+            groups = self.generate_groups(self.sampler.next(wanted), seed if rounds == 0 else stream_seed(seed, rounds))
+            informative = keep_groups(torch.cat([g.correct for g in groups]), self.cfg.rollout.n)
+            for group, keep in zip(groups, informative.tolist()):
+                (kept if keep or not algo.dynamic_sampling else dropped).append(group)
+            rounds += 1
+        chosen = kept[:wanted]
+        weights = [1.0] * len(chosen) + [0.0] * (wanted - len(chosen))
+        chosen += dropped[: wanted - len(chosen)]
+        return [Batch.from_groups(chosen[index:index + num_prompts], weights[index:index + num_prompts],
+                                  rounds=rounds, generated=rounds * num_prompts)
+                for index in range(0, wanted, num_prompts)]
+
+    def sync_weights(self) -> dict:
+        """Push the policy's weights into the engine (rollout.sync.sync_weights); {} when it shares them."""
+        if self.policy is None:
+            return {}
+        return sync_weights(self.policy, self.engine, bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20)
+
+    def evaluate(self, step: int) -> dict | None:
+        """The held-out rows scored greedily with the engine's current weights (the same rows after every step)."""
+        if not self.eval_rows:
+            return None
+        return evaluate(self.engine, self.scorer, self.eval_rows, self.eval_prompt_ids, self.dist,
+                        max_new_tokens=self.cfg.eval_max_new_tokens, batch_size=self.cfg.trainer.eval_batch_size)
+
+    def close(self, stop_signal: int = 0) -> None:
+        self.engine.close()

@@ -1,7 +1,8 @@
 """The policy loss of one micro-batch: PPO's clipped surrogate (PPO/GRPO/DAPO at token level, GSPO at sequence
 level) or CISPO's clipped importance weights, its aggregations, KL estimators, the entropy bonus and truncated IS.
 
-`rl_loss` is the one entry point; a frozen LossSpec holds every choice it makes. The denominator of every
+`rl_loss` is the one entry point; the `algorithm` section (grpo.config.AlgorithmConfig) holds every choice it
+makes, with the response length limit for Dr. GRPO's aggregation as an argument. The denominator of every
 aggregation may be passed in from outside so that the trainer can divide by the count of the WHOLE optimizer
 step (all micro-batches, all ranks): then gradient accumulation and world size do not change the gradient
 (torchtitan does the same; FSDP's own averaging is turned off to match). Shapes: B sequences, T tokens.
@@ -15,11 +16,8 @@ import torch
 from torch import Tensor
 
 from grpo.checks import check_choice, check_floating, check_ndim, check_same_shape
+from grpo.config import AGGREGATIONS, IS_LEVELS, KL_KINDS, AlgorithmConfig
 
-POLICY_LOSSES = ("ppo", "cispo")  # config choices (LossSpec.mode)
-KL_KINDS = ("k1", "abs", "k2", "k3")
-IS_LEVELS = ("token", "sequence")
-RATIO_LEVELS = ("token", "sequence")
 LOG_RATIO_LIMIT = 20.0  # exp(20) ~ 5e8: large enough never to bind on sane data, small enough to stay finite
 K3_LIMIT = 10.0
 
@@ -63,8 +61,7 @@ AGGREGATION: dict[str, Aggregation] = {
     # Dr. GRPO (Liu et al. 2025): the token sum over a constant length, so the length bias goes.
     "seq-mean-token-sum-norm": Aggregation(numerator=lambda masked, mask: masked.sum(), count=_sequences,
                                            per_max_len=True),
-}
-AGGREGATIONS = tuple(AGGREGATION)  # config choices (algorithm.agg)
+}  # keyed by grpo.config.AGGREGATIONS, in its order
 
 
 def loss_denominator(mask: Tensor, agg: str) -> Tensor:
@@ -129,106 +126,37 @@ def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> 
     return per_sequence.detach() + logprobs - logprobs.detach()
 
 
-@dataclass(frozen=True)
-class LossSpec:
-    """Every choice rl_loss makes, built once from the config (no config object reaches the math).
-
-    mode:            "ppo" (clipped surrogate) or "cispo" (clipped, detached IS weight times A times logp).
-    clip_low, clip_high: PPO's epsilon_low / epsilon_high; clip_high > clip_low is DAPO's clip-higher.
-    dual_clip:       PPO only: c > 1 caps the token loss at -A*c where A < 0 (Ye et al. 2020); None is off.
-    ratio_level:     "token", or "sequence" (GSPO, Zheng et al. 2025: one ratio per sequence; PPO only).
-    agg:             one of AGGREGATIONS.
-    max_len:         the constant length of "seq-mean-token-sum-norm" (required there); None for the others.
-    kl_coef, kl_kind: the KL term in the loss, kl_coef * aggregated kl_penalty(kind) against the reference
-                     (0: none; the KL in the reward is grpo.shaping's, not this).
-    entropy_coef:    the loss subtracts entropy_coef * the aggregated token entropy; 0 is off.
-    tis_cap, tis_level: truncated IS of the old (trainer) against the rollout (engine) logprobs,
-                     min(exp(old - rollout), tis_cap) per token or sequence; None is off.
-    cispo_clip_low, cispo_clip_high: CISPO's own bounds on its weight, clip(rho, 1 - low, 1 + high). They are
-                     not PPO's: CISPO caps an importance weight and keeps every token's gradient, where PPO's
-                     0.2 is a trust region that drops gradients. MiniMax-M1 (arXiv 2506.13585) sets no lower
-                     bound (None here) and tunes only the upper one; the default 4.0 caps the weight at 5,
-                     ScaleRL's epsilon_max (Khatri et al. 2025, arXiv 2510.13786) that TRL recommends. To get
-                     verl's cispo (PPO's bounds on both sides) set both to clip_low / clip_high; TRL's cispo
-                     (min(rho, epsilon_high)) is cispo_clip_high = epsilon_high - 1 with no lower bound.
-    """
-    mode: str = "ppo"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
-    ratio_level: str = "token"
-    agg: str = "token-mean"
-    max_len: int | None = None
-    kl_coef: float = 0.0
-    kl_kind: str = "k3"
-    entropy_coef: float = 0.0
-    tis_cap: float | None = None
-    tis_level: str = "token"
-    cispo_clip_low: float | None = None
-    cispo_clip_high: float = 4.0
-
-    def __post_init__(self):
-        check_choice(self.mode, "mode", POLICY_LOSSES)
-        check_choice(self.ratio_level, "ratio_level", RATIO_LEVELS)
-        check_choice(self.agg, "agg", AGGREGATIONS)
-        check_choice(self.kl_kind, "kl_kind", KL_KINDS)
-        check_choice(self.tis_level, "tis_level", IS_LEVELS)
-        if not 0 <= self.clip_low < 1 or not self.clip_high >= 0:
-            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
-        if self.dual_clip is not None and not self.dual_clip > 1.0:
-            raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
-        if AGGREGATION[self.agg].per_max_len and (self.max_len is None or self.max_len < 1):
-            raise ValueError(f"agg {self.agg!r} needs max_len >= 1 (the constant length), got {self.max_len}")
-        if not AGGREGATION[self.agg].per_max_len and self.max_len is not None:
-            raise ValueError(f"max_len is the constant of 'seq-mean-token-sum-norm'; agg {self.agg!r} does not use "
-                             f"it: leave it None (got {self.max_len})")
-        for name in ("kl_coef", "entropy_coef"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.tis_cap is not None and not self.tis_cap > 0:
-            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
-        if self.cispo_clip_low is not None and not 0 <= self.cispo_clip_low <= 1:
-            raise ValueError(f"cispo_clip_low must be in [0, 1] or None, got {self.cispo_clip_low}")
-        if not self.cispo_clip_high >= 0:
-            raise ValueError(f"cispo_clip_high must be >= 0, got {self.cispo_clip_high}")
-        if self.mode == "cispo" and self.dual_clip is not None:
-            raise ValueError("dual_clip is PPO's (a cap on the clipped surrogate); CISPO caps its weight with "
-                             "cispo_clip_high: leave dual_clip None")
-        if self.mode == "cispo" and self.ratio_level != "token":
-            raise ValueError("CISPO is defined with one importance weight per token (MiniMax-M1); "
-                             "ratio_level 'sequence' is GSPO's, a mode='ppo' loss")
-
-
-def _ppo_token_loss(logprobs: Tensor, ratio: Tensor, advantages: Tensor, spec: LossSpec):
+def _ppo_token_loss(logprobs: Tensor, ratio: Tensor, advantages: Tensor, algo: AlgorithmConfig):
     """PPO's clipped surrogate per token: max(-A*rho, -A*clip(rho, 1-clip_low, 1+clip_high)), then dual-clip.
     Returns (token loss [B, T], upper, lower, dual: [B, T] bool, where each bound binds)."""
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - spec.clip_low, 1.0 + spec.clip_high)
+    clipped = -advantages * ratio.clamp(1.0 - algo.clip_low, 1.0 + algo.clip_high)
     token_loss = torch.maximum(unclipped, clipped)
     dual = torch.zeros_like(token_loss, dtype=torch.bool)
-    if spec.dual_clip is not None:
-        cap = -advantages * spec.dual_clip
+    if algo.dual_clip is not None:
+        cap = -advantages * algo.dual_clip
         dual = (advantages < 0) & (token_loss > cap)
         token_loss = torch.where(dual, cap.expand_as(token_loss), token_loss)
-    upper = (advantages > 0) & (ratio > 1.0 + spec.clip_high)
-    lower = (advantages < 0) & (ratio < 1.0 - spec.clip_low)
+    upper = (advantages > 0) & (ratio > 1.0 + algo.clip_high)
+    lower = (advantages < 0) & (ratio < 1.0 - algo.clip_low)
     return token_loss, upper, lower, dual
 
 
-def _cispo_token_loss(logprobs: Tensor, ratio: Tensor, advantages: Tensor, spec: LossSpec):
+def _cispo_token_loss(logprobs: Tensor, ratio: Tensor, advantages: Tensor, algo: AlgorithmConfig):
     """CISPO (MiniMax-M1, arXiv 2506.13585) per token: -sg(clip(rho, 1 - low, 1 + high)) * A * logp. The weight
     is detached, so the gradient is -w * A * d logp on EVERY token, a capped weight included (PPO's clip
     drops those tokens' gradients). Returns (token loss, upper, lower, dual) as _ppo_token_loss; a bound
     "binds" where it changes the weight, whatever the sign of A; dual is never."""
-    low = None if spec.cispo_clip_low is None else 1.0 - spec.cispo_clip_low
-    weight = ratio.detach().clamp(min=low, max=1.0 + spec.cispo_clip_high)
+    low = None if algo.cispo_clip_low is None else 1.0 - algo.cispo_clip_low
+    weight = ratio.detach().clamp(min=low, max=1.0 + algo.cispo_clip_high)
     token_loss = -weight * advantages * logprobs
-    upper = ratio > 1.0 + spec.cispo_clip_high
+    upper = ratio > 1.0 + algo.cispo_clip_high
     lower = ratio < low if low is not None else torch.zeros_like(upper)
     return token_loss, upper, lower, torch.zeros_like(upper)
 
 
-_TOKEN_LOSSES = {"ppo": _ppo_token_loss, "cispo": _cispo_token_loss}  # one per POLICY_LOSSES
+_TOKEN_LOSSES = {"ppo": _ppo_token_loss, "cispo": _cispo_token_loss}  # one per grpo.config.POLICY_LOSSES
+DEFAULT = AlgorithmConfig()
 
 
 def policy_loss(
@@ -236,21 +164,22 @@ def policy_loss(
     old_logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    spec: LossSpec | None = None,
+    algo: AlgorithmConfig = DEFAULT,
     *,
     denominator: Tensor | float | None = None,
+    max_len: int | None = None,
     is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The policy-gradient term of the loss (spec.mode), per token then aggregated (spec.agg).
+    """The policy-gradient term of the loss (algo.policy_loss), per token then aggregated (algo.agg).
 
     logprobs, old_logprobs: [B, T] float, current and behaviour-policy token logprobs.
     advantages:             [B] (one per sequence) or [B, T] float.
     mask:                   [B, T] 0/1.
     rho = exp(logprobs - old_logprobs) with the log-ratio clamped to +-20.
-    "ppo": max(-A*rho, -A*clip(rho, 1-clip_low, 1+clip_high)), dual-clip optional (LossSpec).
+    "ppo": max(-A*rho, -A*clip(rho, 1-clip_low, 1+clip_high)), dual-clip optional.
     "cispo": -sg(clip(rho, 1-cispo_clip_low, 1+cispo_clip_high)) * A * logprobs.
     is_weights [B, T] (detached) multiply the token loss (truncated importance sampling for the
-    rollout/trainer mismatch). denominator: as in aggregate. spec None: LossSpec().
+    rollout/trainer mismatch). denominator, max_len: as in aggregate.
     ratio_level "sequence" is GSPO: rho is the sequence's ratio s_i = exp(masked mean of the log-ratio) on
     every token of sequence i (sequence_log_ratio), so a whole sequence is clipped or not; its clip ranges
     are small (the GSPO paper: 3e-4 / 4e-4), since a mean of log-ratios moves far less than one token's.
@@ -261,9 +190,6 @@ def policy_loss(
     check_same_shape(old_logprobs, "old_logprobs", logprobs, "logprobs")
     check_same_shape(mask, "mask", logprobs, "logprobs")
     check_floating(logprobs, "logprobs")
-    spec = LossSpec() if spec is None else spec
-    if not isinstance(spec, LossSpec):
-        raise ValueError(f"spec must be a LossSpec, got {type(spec).__name__}")
     if advantages.ndim == 1:
         if advantages.shape[0] != logprobs.shape[0]:
             raise ValueError(f"advantages has shape {tuple(advantages.shape)} but logprobs has {tuple(logprobs.shape)}")
@@ -272,14 +198,14 @@ def policy_loss(
         check_same_shape(advantages, "advantages", logprobs, "logprobs")
     token_log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     log_ratio = token_log_ratio
-    if spec.ratio_level == "sequence":
+    if algo.ratio_level == "sequence":
         log_ratio = sequence_log_ratio(logprobs, old_logprobs, mask).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     ratio = torch.exp(log_ratio)
-    token_loss, upper, lower, dual = _TOKEN_LOSSES[spec.mode](logprobs, ratio, advantages, spec)
+    token_loss, upper, lower, dual = _TOKEN_LOSSES[algo.policy_loss](logprobs, ratio, advantages, algo)
     if is_weights is not None:
         check_same_shape(is_weights, "is_weights", logprobs, "logprobs")
         token_loss = token_loss * is_weights.detach()
-    loss = aggregate(token_loss, mask, spec.agg, denominator=denominator, max_len=spec.max_len)
+    loss = aggregate(token_loss, mask, algo.agg, denominator=denominator, max_len=max_len)
 
     with torch.no_grad():
         m = mask.to(logprobs.dtype)
@@ -296,28 +222,30 @@ def policy_loss(
 
 
 def rl_loss(
-    spec: LossSpec,
+    algo: AlgorithmConfig,
     logprobs: Tensor,
     old_logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
     *,
     denominator: Tensor | float,
+    max_len: int | None = None,
     rollout_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     entropy: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The whole loss of one micro-batch: policy_loss (with truncated IS weights of old vs rollout when
-    spec.tis_cap is set) + kl_coef * aggregated KL to the reference - entropy_coef * aggregated entropy.
+    algo.tis_cap is set) + kl_coef * aggregated KL to the reference (unless the KL is in the reward:
+    algo.kl_in_reward) - entropy_coef * aggregated entropy.
 
     logprobs:         [b, T] float, the current policy's (with gradient); the other tensors are moved to its device.
     old_logprobs:     [b, T] the behaviour policy's (the trainer's before the update).
     advantages:       [b] or [b, T]; mask: [b, T] 0/1 (times the loss weight).
     denominator:      the aggregation's count over the whole optimizer step (loss_denominator summed over
-                      micro-batches and ranks).
-    rollout_logprobs: [b, T] the engine's logprobs of the same tokens; needed when spec.tis_cap is set.
-    ref_logprobs:     [b, T] the reference's: the KL term joins the loss when spec.kl_coef > 0 (metric kl always).
-    entropy:          [b, T] token entropies: the bonus when spec.entropy_coef > 0 (metric entropy always).
+                      micro-batches and ranks); max_len: Dr. GRPO's constant length (rollout.max_new_tokens).
+    rollout_logprobs: [b, T] the engine's logprobs of the same tokens; needed when algo.tis_cap is set.
+    ref_logprobs:     [b, T] the reference's: the KL term joins the loss when kl_coef > 0 (metric kl always).
+    entropy:          [b, T] token entropies: the bonus when algo.entropy_coef > 0 (metric entropy always).
     Returns (loss 0-dim with gradient, metrics as python floats): policy_loss's, plus kl, entropy,
     logprob_gap (masked mean |old - rollout|, the mismatch truncated IS corrects) where their input is
     given, and tis_weight_mean, tis_clip_frac (how often the cap binds) when IS is on.
@@ -327,29 +255,31 @@ def rl_loss(
     if rollout_logprobs is not None:
         rollout_logprobs = rollout_logprobs.to(device)
     is_weights = None
-    if spec.tis_cap is not None:  # rollout/trainer mismatch (vLLM bf16 vs trainer fp32): truncated IS
+    if algo.tis_cap is not None:  # rollout/trainer mismatch (vLLM bf16 vs trainer fp32): truncated IS
         if rollout_logprobs is None:
-            raise ValueError("spec.tis_cap is set but rollout_logprobs is None: truncated IS needs the engine's")
-        is_weights = truncated_is_weights(old_logprobs, rollout_logprobs, cap=spec.tis_cap, level=spec.tis_level,
+            raise ValueError("algorithm.tis_cap is set but rollout_logprobs is None: truncated IS needs the engine's")
+        is_weights = truncated_is_weights(old_logprobs, rollout_logprobs, cap=algo.tis_cap, level=algo.tis_level,
                                           mask=mask)
-    loss, metrics = policy_loss(logprobs, old_logprobs, advantages, mask, spec, denominator=denominator,
-                                is_weights=is_weights)
+
+    def aggregated(values: Tensor) -> Tensor:  # as the policy loss: the same aggregation and denominator
+        return aggregate(values, mask, algo.agg, denominator=denominator, max_len=max_len)
+
+    loss, metrics = policy_loss(logprobs, old_logprobs, advantages, mask, algo, denominator=denominator,
+                                max_len=max_len, is_weights=is_weights)
     if ref_logprobs is not None:
-        kl_values = kl_penalty(logprobs, ref_logprobs.to(device), spec.kl_kind)
-        if spec.kl_coef > 0:
-            loss = loss + spec.kl_coef * aggregate(kl_values, mask, spec.agg, denominator=denominator,
-                                                   max_len=spec.max_len)
+        kl_values = kl_penalty(logprobs, ref_logprobs.to(device), algo.kl_kind)
+        if algo.kl_coef > 0 and not algo.kl_in_reward:
+            loss = loss + algo.kl_coef * aggregated(kl_values)
         metrics["kl"] = masked_mean(kl_values.detach(), mask)
     if entropy is not None:
-        if spec.entropy_coef > 0:  # entropy bonus (verl's entropy_coeff): the same aggregation as the policy loss
-            loss = loss - spec.entropy_coef * aggregate(entropy, mask, spec.agg, denominator=denominator,
-                                                        max_len=spec.max_len)
+        if algo.entropy_coef > 0:  # entropy bonus (verl's entropy_coeff): the same aggregation as the policy loss
+            loss = loss - algo.entropy_coef * aggregated(entropy)
         metrics["entropy"] = masked_mean(entropy.detach(), mask)
     if rollout_logprobs is not None:  # engine vs trainer on the same weights and tokens
         metrics["logprob_gap"] = masked_mean((old_logprobs - rollout_logprobs).abs(), mask)
     if is_weights is not None:  # how much the correction does: its mean weight and how often the cap binds
         metrics["tis_weight_mean"] = masked_mean(is_weights, mask)
-        metrics["tis_clip_frac"] = masked_mean((is_weights >= spec.tis_cap).float(), mask)
+        metrics["tis_clip_frac"] = masked_mean((is_weights >= algo.tis_cap).float(), mask)
     # One device-to-host copy for all metrics (float() of each would be one sync per metric on a GPU).
     values = torch.stack([value.detach().to(torch.float64) for value in metrics.values()]).tolist()
     return loss, dict(zip(metrics, values))

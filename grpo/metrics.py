@@ -90,12 +90,14 @@ def reduce_metrics(metrics: dict, dist) -> dict:
 
 
 class NoSignalWatch:
-    """The warnings that catch silent no-learning: every group flat in a step, and truncation or flat groups above
-    their threshold for `watch.after_steps` steps in a row (watch: grpo.parts.Watch)."""
+    """The warnings that catch silent no-learning: every group flat in a step (with no KL term that could still
+    move the policy), and truncation or flat groups above their threshold (trainer.warn_truncation,
+    warn_flat_groups) for trainer.warn_after_steps steps in a row."""
 
-    def __init__(self, watch, kl_coef: float):
-        self.thresholds = {"truncation_rate": watch.truncation, "flat_group_frac": watch.flat_groups}
-        self.after_steps, self.kl_coef = watch.after_steps, kl_coef
+    def __init__(self, cfg):
+        trainer = cfg.trainer
+        self.thresholds = {"truncation_rate": trainer.warn_truncation, "flat_group_frac": trainer.warn_flat_groups}
+        self.after_steps, self.kl_coef = trainer.warn_after_steps, cfg.algorithm.kl_coef
         self.streaks = dict.fromkeys(self.thresholds, 0)
 
     def update(self, metrics: dict, step: int) -> list[str]:

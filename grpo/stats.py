@@ -73,5 +73,6 @@ def paired_difference(before: Sequence[float], after: Sequence[float],
     """(mean, low, high) of after[i] - before[i] over the prompts both define: the paired t interval, which
     removes the prompt-to-prompt variance two unpaired means would carry."""
     if len(before) != len(after):
-        raise ValueError(f"paired_difference needs the same prompts on both sides: {len(before)} vs {len(after)} values")
+        raise ValueError(f"paired_difference needs the same prompts on both sides: {len(before)} vs {len(after)} "
+                         f"values")
     return mean_interval([b - a for a, b in zip(before, after)], confidence)

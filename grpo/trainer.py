@@ -1,105 +1,186 @@
-"""The RL loop (GRPO, DAPO, Dr. GRPO, GSPO, RLOO, REINFORCE++, CISPO, process-reward GRPO): one function, read
-top to bottom, one call per phase of a step.
+"""The RL loop (GRPO, DAPO, Dr. GRPO, GSPO, RLOO, REINFORCE++, CISPO, process-reward GRPO) and the SFT loop (cold
+start before RL), each one function read top to bottom. An RL step is three phases and a weight sync:
 
-    rollout  (rollout, grpo.groups)        P prompts x G completions per rank, scored; DAPO keeps informative groups
-    prepare  (grpo.prepare.prepare)        the update's plan, old/reference logprobs, rewards, advantages
-    update   (grpo.update.update)          ppo_epochs passes over the mini-batches, one optimizer step each
-    sync     (parts.sync_weights)          the engine gets the updated weights
+    rollout  parts.rollout.collect      P prompts x G completions per rank, scored (grpo/groups.py); DAPO keeps
+                                        informative groups
+    prepare  grpo.update.prepare        the update's plan, old/reference logprobs, rewards, advantages
+    update   grpo.update.update         ppo_epochs passes over the mini-batches, one optimizer step each
+    sync     parts.rollout.sync_weights the engine(s) get the updated weights, within rollout.sync_timeout_s
 
-Variants are spec values (grpo/parts.py, built from the config in launch/build.py), not subclasses. What is
-global under torchrun (loss denominators, batch statistics, the gradient norm, the skip decision) is reduced
-where it is computed; everything else is per rank, exact because a group never spans two ranks.
+Variants are settings of the run's Config (grpo/config.py), not subclasses. What is global under torchrun (loss
+denominators, batch statistics, the gradient norm, the skip decision) is reduced where it is computed;
+everything else is per rank, exact because a group never spans two ranks. `dist` is launch.dist.DistInfo:
+rank, world size, device, the replica (dp_rank of dp_size, tp_rank of tp_size) and two all-reduces.
 """
 from __future__ import annotations
 
+import faulthandler
+import os
+import sys
+import threading
 import time
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from grpo.evaluate import evaluation_due, summarize
-from grpo.groups import collect_groups
+import torch
+
+from grpo.config import Config
+from grpo.evaluate import held_out_due, summarize
+from grpo.groups import PromptSampler, Rollout
+from grpo.losses import aggregate, loss_denominator
 from grpo.metrics import NoSignalWatch, reduce_metrics, step_metrics
-from grpo.parts import Collectives, RLParts, StepFailed
-from grpo.prepare import prepare
-from grpo.update import update
-from rollout.engine import stream_seed
+from grpo.update import optimizer_step, prepare, update
+from models.batching import pad_batch
+from models.logprobs import completion_logprobs
+
+EXIT_STALLED = 124  # as coreutils' timeout(1)
+SFT_AGG = "token-mean"  # every completion token of an SFT step weighs the same
+
+
+class StepFailed(RuntimeError):
+    """A failure inside a loop, with the phase it happened in (rollout_reward, logprob, update, sync, held-out
+    evaluation, checkpoint, stop request) and the step; the error itself is the cause. launch.train names the rank."""
+
+    def __init__(self, phase: str, step: int | None, error: BaseException):
+        super().__init__(f"{phase} failed at step {step}: {type(error).__name__}: {error}")
+        self.phase, self.step = phase, step
 
 
 @contextmanager
-def timed(times: dict, phase: str, step: int | None):
-    """Time a phase into times[phase]; a failure in it leaves as StepFailed naming the phase and the step."""
+def phase(name: str, step: int | None, times: dict | None = None):
+    """A phase of a step: its time adds to times[name]; a failure in it leaves as StepFailed naming it and the step."""
     started = time.perf_counter()
     try:
         yield
     except StepFailed:
         raise
     except Exception as error:
-        raise StepFailed(phase, step, error) from error
-    times[phase] = times.get(phase, 0.0) + time.perf_counter() - started
+        raise StepFailed(name, step, error) from error
+    if times is not None:
+        times[name] = times.get(name, 0.0) + time.perf_counter() - started
 
 
-def held_out(parts, step: int) -> dict:
-    """The held-out evaluation after step `step` (0: before the first), through parts.evaluate."""
-    with timed({}, "held-out evaluation", step):
-        return parts.evaluate(step)
+def _expire(what: Callable[[], str], limit: str) -> None:
+    print(f"error: {what()} did not finish within {limit}: ending the run (exit code {EXIT_STALLED}); the stack "
+          "of every thread follows", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+    os._exit(EXIT_STALLED)  # the stalled thread cannot be unwound; checkpoints already written stay complete
 
 
-def train_rl(parts: RLParts, dist: Collectives) -> dict:
-    """Run parts.spec.steps RL steps from parts.checkpoints.start_step. Returns {"final": the last step's metrics,
+@contextmanager
+def deadline(seconds: float, limit: str, what: Callable[[], str]):
+    """Work that can stall where no exception reaches it (a weight sync blocked inside a C call, an engine that
+    never returns): past `seconds` a timer thread prints what stalled (what(): the work, step and rank), the stack
+    of every thread, and ends the process with EXIT_STALLED; under torchrun the other ranks then fail at their
+    next collective. limit: how the deadline is named, e.g. "rollout.sync_timeout_s=60 s"."""
+    timer = threading.Timer(seconds, _expire, args=(what, limit))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        # Joined so the timer thread is gone before the caller goes on: a daemon thread left to wind down could
+        # drop the last reference to `what`'s closure (and through it the run's tensors) while the interpreter
+        # finalizes, which ends the process in std::terminate (SIGABRT) after a finished run.
+        timer.join()
+
+
+class Log(Protocol):
+    """The run directory's logs (launch.runlog.RunLog); a no-op on ranks other than 0."""
+
+    def metrics(self, step: int, metrics: dict, postfix_keys: tuple[str, ...] = ...) -> None: ...
+    def samples(self, step: int, samples: list[dict]) -> None: ...
+    def warn(self, message: str) -> None: ...
+
+
+class Checkpoints(Protocol):
+    """The run's progress (launch.checkpointing.Checkpointer): where it starts, and, at the end of every step,
+    periodic checkpoints and stop requests agreed over ranks (end_step is True when the loop must stop now)."""
+    start_step: int
+
+    def end_step(self, done: int) -> bool: ...
+    def finish(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The model being trained (FSDP2-sharded under torchrun), its optimizer and learning-rate schedule."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any  # torch.optim.lr_scheduler.LRScheduler
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parts:
+    """What the loops run on, built once by launch/build.py."""
+    cfg: Config
+    policy: Policy
+    rollout: Rollout | None  # RL's batches and weight sync; the held-out evaluation of both loops (None: no engine)
+    log: Log
+    checkpoints: Checkpoints
+    pad_id: int
+    vocab_size: int | None = None  # the ids the engines can sample: the trainer normalises over them
+    reference: torch.nn.Module | None = None  # the KL reference (the policy itself with LoRA: adapters off)
+    examples: Sequence[tuple[list[int], list[int]]] = ()  # SFT: (prompt ids, target ids) per training row
+    sampler: PromptSampler | None = None  # SFT: this rank's order over the examples
+
+
+def held_out(parts: Parts, done: int, start: int, *, sync: bool = False) -> dict | None:
+    """The held-out result with the weights after `done` steps when the schedule asks for one
+    (grpo.evaluate.held_out_due), else None; sync: push the weights into the engine first (SFT)."""
+    if parts.rollout is None or not held_out_due(done, start, parts.cfg.trainer):
+        return None
+    with phase("held-out evaluation", done):
+        if sync:
+            parts.rollout.sync_weights()
+        return parts.rollout.evaluate(done)
+
+
+def train_rl(parts: Parts, dist) -> dict:
+    """Run trainer.steps RL steps from parts.checkpoints.start_step. Returns {"final": the last step's metrics,
     "before": the held-out result at the start, "after": at the end} (held-out entries only with held-out rows)."""
-    spec, log, start = parts.spec, parts.log, parts.checkpoints.start_step
-    watch = NoSignalWatch(spec.watch, spec.loss.kl_coef + spec.advantage.kl_coef)
+    cfg, log, start = parts.cfg, parts.log, parts.checkpoints.start_step
+    watch = NoSignalWatch(cfg)
     results, metrics, skips = {}, {}, 0
-    if parts.evaluate and spec.evaluation.before:
-        results["before"] = held_out(parts, start)
-        if spec.evaluation.every and start == 0:
-            log.metrics(0, summarize(results["before"]))  # the curve's starting point
-    for step in range(start, spec.steps):
+    if (before := held_out(parts, start, start)) is not None:
+        results["before"] = before
+        if cfg.trainer.eval_every and start == 0:
+            log.metrics(0, summarize(before))  # the curve's starting point
+    for step in range(start, cfg.trainer.steps):
         times: dict[str, float] = {}
         lr = parts.policy.scheduler.get_last_lr()[0]
-        with timed(times, "rollout_reward", step + 1):
-            batch = rollout(parts, dist, step)
-        with timed(times, "logprob", step + 1):
+        with phase("rollout_reward", step + 1, times):
+            batch = parts.rollout.collect(step)
+        with phase("logprob", step + 1, times):
             prepared = prepare(parts, batch, dist)
-        with timed(times, "update", step + 1):
-            result = update(parts.policy, prepared, spec, dist, log, step=step, skips=skips)
+        with phase("update", step + 1, times):
+            result = update(parts, prepared, dist, step=step, skips=skips)
             skips = result.skips
             parts.policy.scheduler.step()
-        with timed(times, "sync", step + 1):
-            sync_info = parts.sync_weights()  # rollout.sync wakes the engine around the new weights
+        with phase("sync", step + 1, times), deadline(
+                cfg.rollout.sync_timeout_s, f"rollout.sync_timeout_s={cfg.rollout.sync_timeout_s:g} s",
+                lambda: f"weight sync (phase: sync) at step {step + 1} on rank {dist.rank}"):
+            sync_info = parts.rollout.sync_weights()
 
-        metrics = reduce_metrics(step_metrics(batch, prepared.rewards, spec.batching.group_size, result.records,
-                                              times, grad_norm=result.grad_norm, lr=lr, skipped=float(skips > 0),
+        metrics = reduce_metrics(step_metrics(batch, prepared.rewards, cfg.rollout.n, result.records, times,
+                                              grad_norm=result.grad_norm, lr=lr, skipped=float(skips > 0),
                                               sync_info=sync_info, step=step), dist)
-        if parts.evaluate and (step + 1 == spec.steps or evaluation_due(step + 1, spec.evaluation.every, spec.steps)):
-            results["after"] = held_out(parts, step + 1)
-            if spec.evaluation.every:  # a point of the held-out curve
-                metrics.update(summarize(results["after"]))
+        if (after := held_out(parts, step + 1, start)) is not None:
+            results["after"] = after
+            if cfg.trainer.eval_every:  # a point of the held-out curve
+                metrics.update(summarize(after))
         for warning in watch.update(metrics, step + 1):
             log.warn(warning)
         log.metrics(step + 1, metrics, postfix_keys=("reward_mean", "acc", "format_rate"))
-        log.samples(step + 1, first_group_samples(batch, prepared.rewards, spec.batching.group_size))
+        log.samples(step + 1, first_group_samples(batch, prepared.rewards, cfg.rollout.n))
         if parts.checkpoints.end_step(step + 1):  # a stop request: stop at a step boundary (consistent state)
             break
     parts.checkpoints.finish()
     return {"final": metrics, **results}
-
-
-def rollout(parts: RLParts, dist: Collectives, step: int):
-    """This rank's P prompts x G completions of step `step`, scored (grpo.groups.Batch): from the rollout ranks when
-    they run apart (parts.remote), else from this rank's engine, whose memory is then freed for the update. The
-    ranks of a tensor-parallel replica submit the same requests and keep their own shares."""
-    if parts.remote is not None:
-        return parts.remote.collect(step)
-    spec = parts.spec
-    batch = collect_groups(
-        parts.engine, parts.sampler, parts.rows, parts.prompt_ids, parts.scorer,
-        num_prompts=spec.batching.prompts_per_step, group_size=spec.batching.group_size,
-        sampling=spec.sampling.kwargs(), seed=stream_seed(spec.seed, step, dist.dp_rank),
-        dynamic_sampling=spec.dynamic_sampling, max_rounds=spec.max_gen_batches, shares=dist.tp_size,
-        share=dist.tp_rank)
-    batch.policy_version = step
-    parts.engine.sleep()  # vLLM on GPUs: free weights and KV cache while the trainer runs (no-op on CPU)
-    return batch
 
 
 def first_group_samples(batch, rewards, group_size: int) -> list[dict]:
@@ -107,3 +188,50 @@ def first_group_samples(batch, rewards, group_size: int) -> list[dict]:
     return [{"prompt": row["prompt"][-1]["content"], "completion": c.text, "reward": float(r), "correct": float(ok),
              "finish_reason": c.finish_reason}
             for c, r, ok, row in zip(batch.completions[:group_size], rewards, batch.correct, batch.rows)]
+
+
+def train_sft(parts: Parts, dist) -> dict:
+    """Next-token loss on completion tokens only, for trainer.steps steps from parts.checkpoints.start_step. Batches
+    are padded as in the RL passes (prompt left, completion right); the loss is the mean over the completion tokens
+    of the whole step (all micro-batches and ranks), so gradient accumulation does not change the gradient.
+    Returns {"final", "before", "after"} as train_rl does."""
+    cfg, log, start = parts.cfg, parts.log, parts.checkpoints.start_step
+    model, trainer = parts.policy.model, cfg.trainer
+    results, skips, metrics = {}, 0, {}
+    if (before := held_out(parts, start, start)) is not None:
+        results["before"] = before
+        if trainer.eval_every and start == 0:
+            log.metrics(0, summarize(before))  # the curve's starting point
+    for step in range(start, trainer.steps):
+        started = time.perf_counter()
+        with phase("update", step + 1):
+            examples = [parts.examples[i] for i in parts.sampler.next(trainer.sft_batch_size)]
+            size = trainer.micro_batch_size
+            batches = [pad_batch([p for p, _ in examples[s:s + size]], [c for _, c in examples[s:s + size]],
+                                 parts.pad_id) for s in range(0, len(examples), size)]
+            # Global token count of the step: every token weighs the same however the batch is split.
+            local_tokens = sum(loss_denominator(batch["completion_mask"], SFT_AGG) for batch in batches)
+            num_tokens = dist.all_reduce_sum(torch.as_tensor(local_tokens, dtype=torch.float32, device=dist.device))
+            loss_sum = 0.0
+            for batch in batches:
+                logprobs, _ = completion_logprobs(model, batch, chunk_size=cfg.model.logprob_chunk_size)
+                loss = aggregate(-logprobs, batch["completion_mask"], SFT_AGG, denominator=num_tokens)
+                loss.backward()
+                loss_sum += float(loss.detach())
+            lr = parts.policy.scheduler.get_last_lr()[0]
+            grad_norm, skips = optimizer_step(parts.policy, cfg, dist, log, step=step, loss=loss_sum, skips=skips)
+            parts.policy.scheduler.step()
+        elapsed = time.perf_counter() - started
+        loss_value = float(dist.all_reduce_sum(torch.tensor(loss_sum, dtype=torch.float64, device=dist.device)))
+        metrics = {"loss": loss_value, "grad_norm": grad_norm, "lr": lr, "skipped": float(skips > 0),
+                   "tokens": float(num_tokens), "tokens_per_s": float(num_tokens) / dist.world_size / elapsed,
+                   "time_step": elapsed}
+        if (after := held_out(parts, step + 1, start, sync=True)) is not None:
+            results["after"] = after
+            if trainer.eval_every:  # a point of the held-out curve
+                metrics.update(summarize(after))
+        log.metrics(step + 1, metrics, postfix_keys=("loss",))
+        if parts.checkpoints.end_step(step + 1):  # a stop request: stop at a step boundary (consistent state)
+            break
+    parts.checkpoints.finish()
+    return {"final": metrics, **results}

@@ -1,20 +1,260 @@
-"""The third phase of an RL step, the update: ppo_epochs passes over the mini-batches, one optimizer step each,
-one forward/backward per micro-batch; and the end of every optimizer step, shared with the SFT loop: clip to
-the global gradient norm, and step only when the loss and the norm are finite on every rank; otherwise skip,
-say so, and stop after too many. The learning-rate schedule is the loops' own: it advances once per training
-step (an RL step may take several optimizer steps, one per PPO mini-batch and epoch, all at the step's
-learning rate, as verl does).
+"""From a rollout batch to optimizer steps, the second and third phases of an RL step.
+
+prepare: the update's plan (mini-batches of whole groups, one optimizer step each, made of micro-batches, one
+  forward/backward each, with every mini-batch's loss denominator counted over all its micro-batches and all
+  ranks, so neither the micro-batch split nor the world size changes a gradient), the old and reference
+  logprobs (once per rollout, before any update, in eval mode: the engines sample without dropout), the rewards
+  with their penalties (DAPO's overlong shaping, verl's KL in the reward) and the advantages.
+update: ppo_epochs passes over the mini-batches; each optimizer step clips to the global gradient norm and
+  steps only when loss and norm are finite on every rank (else it skips, says so, and stops after too many).
+The learning rate advances once per training step (all of a step's optimizer steps share it, as in verl).
+
+Shapes: P prompts, G per prompt, B = P * G rows (a prompt's G consecutive), T completion tokens.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
-from grpo.losses import rl_loss
-from grpo.parts import Collectives, Log, Policy, RLSpec
+from grpo.advantages import compute_advantages, kl_reward_penalty, overlong_penalty
+from grpo.checks import check_ndim
+from grpo.config import Config
+from grpo.groups import Batch
+from grpo.losses import kl_penalty, loss_denominator, masked_mean, rl_loss
+from models.batching import micro_batches_by_tokens, pad_batch
+from models.logprobs import completion_logprobs, dropout_active, evaluating
+from models.lora import disabled_adapters
 
+
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str = "constant",
+              min_ratio: float = 0.0) -> float:
+    """Multiplier of the peak learning rate at training step `step` (0-based): a linear warmup from
+    1/(warmup+1) to 1 (so the first step is not wasted at lr 0), then constant, linear or cosine decay.
+
+    >>> [round(lr_factor(s, warmup_steps=2, total_steps=6, schedule="linear"), 4) for s in range(6)]
+    [0.3333, 0.6667, 1.0, 0.6667, 0.3333, 0.0]
+    >>> round(lr_factor(3, warmup_steps=0, total_steps=7, schedule="cosine", min_ratio=0.1), 4)
+    0.55
+    """
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if schedule == "constant":
+        return 1.0
+    span = max(1, total_steps - 1 - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    decay = 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_ratio + (1.0 - min_ratio) * decay
+
+
+# --- The plan: mini-batches and micro-batches ------------------------------------------------------------------
+
+def mini_batches(num_prompts: int, group_size: int, prompts_per_mini_batch: int | None) -> list[Tensor]:
+    """Row indices of each mini-batch: `prompts_per_mini_batch` whole consecutive groups (None: all of them).
+
+    Returns M = num_prompts / prompts_per_mini_batch index tensors [prompts_per_mini_batch * G] long.
+
+    >>> [rows.tolist() for rows in mini_batches(4, 2, 2)]
+    [[0, 1, 2, 3], [4, 5, 6, 7]]
+    """
+    size = num_prompts if prompts_per_mini_batch is None else prompts_per_mini_batch
+    if size < 1 or num_prompts % size:
+        raise ValueError(f"algorithm.ppo_mini_batch_size={prompts_per_mini_batch} must be >= 1 and divide "
+                         f"the {num_prompts} prompts per step")
+    rows = size * group_size
+    return [torch.arange(start, start + rows) for start in range(0, num_prompts * group_size, rows)]
+
+
+def mini_batch_denominators(mask: Tensor, minis: Sequence[Tensor], agg: str) -> Tensor:
+    """This rank's loss denominator of each mini-batch (grpo.losses.loss_denominator of its rows: tokens, or
+    sequences with a token); sum the [M] result over ranks (one all-reduce) for the global ones.
+
+    mask: [B, T] 0/1 (filler groups of dynamic sampling are 0: they add nothing). Returns [M] float32.
+
+    >>> mini_batch_denominators(torch.tensor([[1, 1], [1, 0], [0, 0], [1, 1]]), [torch.tensor([0, 1]),
+    ...                         torch.tensor([2, 3])], "token-mean")
+    tensor([3., 2.])
+    """
+    check_ndim(mask, "mask", 2)
+    return torch.stack([loss_denominator(mask[rows], agg).float() for rows in minis])
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Rows of one forward/backward, and once planned their padded inputs (models.batching.pad_batch: prompts
+    left-padded, completions right-padded to this micro-batch's own width T_mb). weight 0: a pass that only keeps
+    FSDP's collectives paired across ranks (a rank with fewer micro-batches than another repeats a row and trains
+    on nothing)."""
+    rows: Tensor  # [b] long, ascending
+    weight: float = 1.0
+    inputs: dict | None = None
+
+    def take(self, values: Tensor | None) -> Tensor | None:
+        """This micro-batch's slice [b, T_mb] of a step-wide [B, T] tensor (None stays None)."""
+        if values is None:
+            return None
+        return values[self.rows, : self.inputs["completion_mask"].shape[1]]
+
+
+@dataclass(frozen=True)
+class MiniBatch:
+    """One optimizer step: its micro-batches and its loss denominator summed over them and over all ranks. A
+    denominator of 0 (only dynamic-sampling filler groups, on every rank) takes no step."""
+    micro_batches: tuple[MicroBatch, ...]
+    denominator: Tensor  # 0-dim float
+
+
+def micro_batches(minis: Sequence[Tensor], lengths: Sequence[int], *, rows_per_micro_batch: int,
+                  max_tokens: int = 0, agree_max: Callable[[Tensor], Tensor] = lambda counts: counts
+                  ) -> list[list[MicroBatch]]:
+    """The micro-batches of each mini-batch.
+
+    lengths: [B] prompt + completion tokens of each row. max_tokens 0: consecutive runs of
+    `rows_per_micro_batch` rows (the same count on every rank, since every rank has the same P and G).
+    max_tokens > 0: as few micro-batches of at most max_tokens tokens as
+    models.batching.micro_batches_by_tokens finds, and then every rank takes the largest count any rank
+    needs (`agree_max`: the max all-reduce of an [M] tensor; identity for one process), running the extra
+    ones as weight-0 passes.
+    Raises ValueError naming both numbers when one row alone exceeds max_tokens.
+    """
+    if max_tokens <= 0:
+        return [[MicroBatch(rows[start:start + rows_per_micro_batch])
+                 for start in range(0, len(rows), rows_per_micro_batch)] for rows in minis]
+    longest = max(lengths)
+    if longest > max_tokens:
+        raise ValueError(f"a sequence of {longest} tokens (prompt + completion) does not fit in "
+                         f"trainer.max_tokens_per_micro_batch={max_tokens}; raise it to at least {longest}")
+    counts = torch.ones(len(minis), dtype=torch.long)
+    while True:  # the planner may need more micro-batches than asked for; ask again until all ranks agree
+        plans = [micro_batches_by_tokens([int(lengths[r]) for r in rows], max_tokens, min_count=int(count))
+                 for rows, count in zip(minis, counts)]
+        agreed = agree_max(torch.tensor([len(plan) for plan in plans], dtype=torch.long))
+        if torch.equal(agreed, counts):
+            break
+        counts = agreed
+    return [[MicroBatch(rows[torch.tensor(plan, dtype=torch.long)]) if plan
+             else MicroBatch(rows[:1], weight=0.0) for plan in mini_plan]
+            for rows, mini_plan in zip(minis, plans)]
+
+
+def plan_update(completions: Sequence, mask: Tensor, cfg: Config, world_size: int, pad_id: int, *,
+                all_reduce_sum: Callable[[Tensor], Tensor] = lambda t: t,
+                all_reduce_max: Callable[[Tensor], Tensor] = lambda t: t) -> list[MiniBatch]:
+    """The update's plan for one rollout: mini-batches of whole groups (algorithm.ppo_mini_batch_size counts
+    prompts over all `world_size` ranks, as in verl) made of micro-batches (every rank runs as many, since
+    FSDP's collectives pair up across ranks), each micro-batch with its padded inputs, each mini-batch's
+    denominator summed over ranks (one all-reduce). completions: the B rollout.engine.Completion of the step;
+    mask: [B, T] 0/1 (0 for fillers)."""
+    mini = cfg.algorithm.ppo_mini_batch_size
+    minis = mini_batches(cfg.trainer.prompts_per_step, cfg.rollout.n, None if mini is None else mini // world_size)
+    plan = micro_batches(minis, [len(c.prompt_ids) + len(c.completion_ids) for c in completions],
+                         rows_per_micro_batch=cfg.trainer.micro_batch_size,
+                         max_tokens=cfg.trainer.max_tokens_per_micro_batch, agree_max=all_reduce_max)
+    denominators = all_reduce_sum(mini_batch_denominators(mask, minis, cfg.algorithm.agg))
+    return [MiniBatch(tuple(MicroBatch(micro.rows, micro.weight, pad_batch(
+        [completions[r].prompt_ids for r in micro.rows.tolist()],
+        [completions[r].completion_ids for r in micro.rows.tolist()], pad_id)) for micro in mini), denominator)
+        for mini, denominator in zip(plan, denominators)]
+
+
+# --- prepare: what the update trains on -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Prepared:
+    """One rollout, ready for the update. Tensors are [B, T] on the CPU (each micro-batch takes its rows)."""
+    mini_batches: list[MiniBatch]
+    mask: Tensor  # completion tokens times the groups' loss weight (0 for dynamic-sampling fillers)
+    advantages: Tensor
+    rollout_logprobs: Tensor  # the engine's, of the distribution it sampled from
+    old_logprobs: Tensor | None  # None: one optimizer step follows and they are the update's own, detached
+    ref_logprobs: Tensor | None  # given when the KL term is in the loss
+    rewards: Tensor  # [B], what the advantages were computed from (penalties included)
+    metrics: dict  # kl (the KL in the reward), for the step's log
+
+
+def logprob_pass(model, cfg: Config, vocab_size: int | None, inputs: dict, *,
+                 with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """The trainer's logprobs (and entropies) of one micro-batch's completion tokens, at the sampling
+    temperature (the ratio compares like with like) over the `vocab_size` ids the engines can sample."""
+    return completion_logprobs(model, inputs, temperature=cfg.rollout.temperature,
+                               chunk_size=cfg.model.logprob_chunk_size, packed=cfg.model.packed_logprobs,
+                               vocab_size=vocab_size, with_entropy=with_entropy)
+
+
+def all_rows(pass_fn: Callable[[dict], Tensor], mini_batches: list[MiniBatch], shape: torch.Size) -> Tensor:
+    """Run a no-grad logprob pass (padded inputs -> [b, T_mb]) over every micro-batch and lay the results out as
+    one [B, T] CPU tensor. Weight-0 passes (which only pair FSDP's collectives) run but are not kept."""
+    out = torch.zeros(shape)
+    for mini in mini_batches:
+        for micro in mini.micro_batches:
+            values = pass_fn(micro.inputs)
+            if micro.weight:
+                out[micro.rows, : values.shape[1]] = values.float().cpu()
+    return out
+
+
+def padded(rows: list[list[float]], width: int) -> Tensor:
+    """B ragged rows -> [B, width] float32, zero-padded on the right."""
+    out = torch.zeros(len(rows), width)
+    for b, row in enumerate(rows):
+        out[b, : len(row)] = torch.as_tensor(row, dtype=torch.float32)
+    return out
+
+
+def needs_old_pass(cfg: Config, model: torch.nn.Module) -> bool:
+    """Whether the old logprobs need a pass of their own: several optimizer steps per rollout, the KL in the
+    reward (it needs them before the update), or dropout (the update's pass would differ from the engines')."""
+    algo = cfg.algorithm
+    one_update = algo.ppo_epochs == 1 and algo.ppo_mini_batch_size in (None, cfg.trainer.prompts_per_step)
+    return not one_update or algo.kl_in_reward or dropout_active(model)
+
+
+def reference_logprobs(parts, inputs: dict) -> Tensor:
+    """The KL reference's logprobs of one micro-batch: the frozen starting model, or with LoRA the policy with its
+    adapters disabled (parts.reference is then the policy module itself), computed as the policy's are."""
+    model = parts.reference
+    adapters_off = disabled_adapters(model) if model is parts.policy.model else contextlib.nullcontext()
+    with adapters_off, evaluating(model):
+        return logprob_pass(model, parts.cfg, parts.vocab_size, inputs)[0]
+
+
+def prepare(parts, batch: Batch, dist) -> Prepared:
+    """The update's inputs for one rollout batch (see the module docstring). parts: grpo.trainer.Parts."""
+    cfg, model = parts.cfg, parts.policy.model
+    algo = cfg.algorithm
+    to_device = lambda reduce: lambda t: reduce(t.to(dist.device)).cpu()  # noqa: E731
+    mini_batches = plan_update(batch.completions, batch.mask, cfg, dist.world_size, parts.pad_id,
+                               all_reduce_sum=to_device(dist.all_reduce_sum),
+                               all_reduce_max=to_device(dist.all_reduce_max))
+    with torch.no_grad(), evaluating(model):
+        old = None
+        if needs_old_pass(cfg, model):
+            old = all_rows(lambda inputs: logprob_pass(model, cfg, parts.vocab_size, inputs)[0], mini_batches,
+                           batch.mask.shape)
+        ref = None
+        if parts.reference is not None:
+            ref = all_rows(lambda inputs: reference_logprobs(parts, inputs), mini_batches, batch.mask.shape)
+    rewards, metrics = batch.rewards.clone(), {}
+    if algo.overlong_cache_len > 0:
+        rewards += overlong_penalty(batch.lengths, cfg.rollout.max_new_tokens, algo.overlong_cache_len,
+                                    algo.overlong_factor)
+    if algo.kl_in_reward:
+        kl_values = kl_penalty(old, ref, algo.kl_kind)
+        rewards += kl_reward_penalty(kl_values, batch.mask, algo.kl_coef)
+        metrics["kl"] = float(masked_mean(kl_values, batch.mask))
+    advantages = compute_advantages(algo.adv_estimator, rewards, batch.token_shaping, batch.mask, cfg.rollout.n,
+                                    eps=algo.adv_eps, weights=batch.loss_weight,
+                                    all_reduce_sum=to_device(dist.all_reduce_sum))
+    rollout = padded([c.logprobs for c in batch.completions], batch.mask.shape[1])
+    kl_in_loss = ref if algo.kl_coef > 0 and not algo.kl_in_reward else None
+    return Prepared(mini_batches, batch.mask, advantages, rollout, old, kl_in_loss, rewards, metrics)
+
+
+# --- update: the optimizer steps --------------------------------------------------------------------------------
 
 def global_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     """Clip the gradients to `max_norm` (0: no clipping) and return their norm before clipping. Under FSDP2
@@ -23,29 +263,29 @@ def global_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
-def optimizer_step(model: torch.nn.Module, optimizer, dist: Collectives, log: Log, *, step: int, loss: float,
-                   grad_clip: float, skips: int, max_skips: int) -> tuple[float, int]:
-    """Clip, then take the optimizer step (or skip it) and zero the gradients.
+def optimizer_step(policy, cfg: Config, dist, log, *, step: int, loss: float, skips: int) -> tuple[float, int]:
+    """Clip, then take the optimizer step (or skip it) and zero the gradients; shared by the RL and SFT loops.
 
     loss: this rank's loss of the optimizer step (its sum over micro-batches). Every rank takes the same decision: the
     grad norm is global and the non-finite flag is reduced over ranks. Returns (grad norm, consecutive skips);
-    raises RuntimeError when `max_skips` steps in a row were skipped, before any checkpoint of such weights.
+    raises RuntimeError after trainer.max_consecutive_skips skipped steps in a row, before any checkpoint of such
+    weights.
     """
-    grad_norm = global_grad_norm(model, grad_clip)
+    grad_norm = global_grad_norm(policy.model, cfg.optim.grad_clip)
     bad = dist.all_reduce_max(torch.tensor(float(not (math.isfinite(loss) and math.isfinite(grad_norm))),
                                            device=dist.device))
     if bool(bad > 0):
         skips += 1
         log.warn(f"step {step}: non-finite loss ({loss}) or grad norm ({grad_norm}) on some rank; optimizer step "
                  f"skipped ({skips} in a row)")
-        if skips >= max_skips:
+        if skips >= cfg.trainer.max_consecutive_skips:
             raise RuntimeError(f"{skips} consecutive optimizer steps skipped for non-finite loss/gradients "
-                               f"(trainer.max_consecutive_skips={max_skips}); stopping without writing a "
-                               f"checkpoint from these weights")
+                               f"(trainer.max_consecutive_skips={cfg.trainer.max_consecutive_skips}); stopping "
+                               f"without writing a checkpoint from these weights")
     else:
         skips = 0
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+        policy.optimizer.step()
+    policy.optimizer.zero_grad(set_to_none=True)
     return grad_norm, skips
 
 
@@ -56,27 +296,25 @@ class UpdateResult:
     skips: int  # consecutive skipped optimizer steps after this update
 
 
-def update(policy: Policy, prepared, spec: RLSpec, dist: Collectives, log: Log, *, step: int,
-           skips: int) -> UpdateResult:
-    """Train on one prepared rollout (grpo.prepare.Prepared). A mini-batch with nothing to train on any rank
-    (only DAPO filler groups) takes no step: AdamW would still move the weights on its momentum."""
-    from grpo.prepare import logprob_pass
-    model, records, grad_norm = policy.model, [], 0.0
-    for epoch in range(spec.batching.ppo_epochs):
+def update(parts, prepared: Prepared, dist, *, step: int, skips: int) -> UpdateResult:
+    """Train on one prepared rollout. A mini-batch with nothing to train on any rank (only DAPO filler groups)
+    takes no step: AdamW would still move the weights on its momentum."""
+    cfg, model = parts.cfg, parts.policy.model
+    records, grad_norm = [], 0.0
+    for epoch in range(cfg.algorithm.ppo_epochs):
         for mini in prepared.mini_batches:
             if mini.denominator == 0:
                 continue
             loss_sum = 0.0
             for micro in mini.micro_batches:
-                logprobs, entropy = logprob_pass(model, spec.logprobs, micro.inputs,
-                                                 with_entropy=epoch == 0 or spec.loss.entropy_coef > 0)
+                logprobs, entropy = logprob_pass(model, cfg, parts.vocab_size, micro.inputs,
+                                                 with_entropy=epoch == 0 or cfg.algorithm.entropy_coef > 0)
                 old = micro.take(prepared.old_logprobs) if prepared.old_logprobs is not None else logprobs.detach()
-                device = logprobs.device
                 loss, metrics = rl_loss(
-                    spec.loss, logprobs, old.to(device), micro.take(prepared.advantages).to(device),
-                    micro.take(prepared.mask).to(device) * micro.weight, denominator=mini.denominator,
-                    rollout_logprobs=micro.take(prepared.rollout_logprobs).to(device),
-                    ref_logprobs=_on(micro.take(prepared.ref_logprobs), device), entropy=entropy)
+                    cfg.algorithm, logprobs, old, micro.take(prepared.advantages),
+                    micro.take(prepared.mask) * micro.weight, denominator=mini.denominator,
+                    max_len=cfg.rollout.max_new_tokens, rollout_logprobs=micro.take(prepared.rollout_logprobs),
+                    ref_logprobs=micro.take(prepared.ref_logprobs), entropy=entropy)
                 loss.backward()
                 loss_sum += float(loss.detach())
                 record = {key: float(value) for key, value in metrics.items()}
@@ -84,11 +322,6 @@ def update(policy: Policy, prepared, spec: RLSpec, dist: Collectives, log: Log, 
                 if epoch > 0:  # the engine gap and the entropy describe the rollout: count them once
                     record.pop("logprob_gap", None), record.pop("entropy", None)
                 records.append(record | prepared.metrics)
-            grad_norm, skips = optimizer_step(model, policy.optimizer, dist, log, step=step, loss=loss_sum,
-                                              grad_clip=spec.grad_clip, skips=skips,
-                                              max_skips=spec.max_consecutive_skips)
+            grad_norm, skips = optimizer_step(parts.policy, cfg, dist, parts.log, step=step, loss=loss_sum,
+                                              skips=skips)
     return UpdateResult(records, grad_norm, skips)
-
-
-def _on(tensor, device):
-    return None if tensor is None else tensor.to(device)

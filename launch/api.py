@@ -11,6 +11,12 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 
+import rewards as registry
+from data.rows import read_rows
+from launch.dist import init_distributed, shutdown
+from launch.recipe import load_config
+from launch.train import run
+
 RewardFn = Callable[..., "float | dict"]
 
 
@@ -29,14 +35,9 @@ def train(config: str | os.PathLike | Mapping | None = None, *, overrides: Seque
     train_rows, eval_rows: verl-format rows ({"prompt": [{"role": "user", "content": ...}], "data_source": ...,
                 "reward_model": {"ground_truth": ...}, "extra_info": {...}}) instead of data.train_files /
                 data.eval_files.
-    Raises launch.config.ConfigError for bad input (naming the key, file or row) before anything is written, and
+    Raises grpo.config.ConfigError for bad input (naming the key, file or row) before anything is written, and
     launch.train.RunFailed (naming the phase, the step and the rank) for a failure after start-up.
     """
-    import rewards as registry
-    from launch.config import load_config
-    from launch.dist import shutdown
-    from launch.train import init_for, run
-
     cfg = load_config(config if isinstance(config, Mapping) else (None if config is None else str(config)),
                       list(overrides))
     if rewards is not None:
@@ -44,7 +45,7 @@ def train(config: str | os.PathLike | Mapping | None = None, *, overrides: Seque
             source: rewards for source in _data_sources(cfg, train_rows, eval_rows)}
         for data_source, function in functions.items():
             registry.register(data_source, function, overwrite=True)
-    dist = init_for(cfg)
+    dist = init_distributed(cfg)
     try:
         summary = run(cfg, dist, rows=None if train_rows is None else list(train_rows),
                       eval_rows=None if eval_rows is None else list(eval_rows))
@@ -55,8 +56,6 @@ def train(config: str | os.PathLike | Mapping | None = None, *, overrides: Seque
 
 def _data_sources(cfg, train_rows, eval_rows) -> set[str]:
     """The data sources of the run's rows: those given, else those of data.train_files / data.eval_files."""
-    from data.rows import read_rows
-
     def from_files(paths):
         rows = []
         for path in paths:

@@ -1,7 +1,7 @@
 """The one object that owns a run's progress: where it starts (a resumed checkpoint or step 0), which steps
 are done, when a checkpoint is written (periodic, final, on a stop request) and what goes into it.
 
-The loops see it through grpo.parts.Checkpoints (`start_step`, `end_step`, `finish`). A checkpoint holds the
+The loops see it through grpo.trainer.Checkpoints (`start_step`, `end_step`, `finish`). A checkpoint holds the
 weights (HF format, or the LoRA adapter), the optimizer, the schedule and every rank's data position, and is
 written atomically by models/checkpoint.py (a failed write removes its partial directory and names the bytes it
 needed); non-finite weights are never written; with trainer.keep_last=K only the newest K are kept, and an older
@@ -11,39 +11,30 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from launch.schema import LoraConfig
-from grpo.parts import Collectives, Policy, Sampler, StepFailed
-
-
-@contextmanager
-def phase(name: str, step: int):
-    """A failure in it leaves as grpo.parts.StepFailed naming the phase and the step (launch.train adds the rank)."""
-    try:
-        yield
-    except StepFailed:
-        raise
-    except Exception as error:
-        raise StepFailed(name, step, error) from error
+from grpo.config import Config
+from grpo.trainer import Policy, phase
+from models.checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
+from models.lora import load_lora_checkpoint, save_lora_checkpoint
 
 
 class Checkpointer:
     """Checkpoints of one run under run_dir/checkpoints/step_<n>/, every rank calling in step.
 
-    stop_requested: asked once per step on every rank (launch.train reduces Ctrl-C over ranks), so every
-    rank stops after the same step.
+    sampler: what holds this rank's data position (`position`: grpo.groups.PromptSampler, or
+    launch.separate.RemoteRollout, whose replica's position it is). stop_requested: asked once per step on every
+    rank (launch.train reduces Ctrl-C over ranks), so every rank stops after the same step.
     """
 
-    def __init__(self, run_dir: Path, policy: Policy, tokenizer, sampler: Sampler, dist: Collectives, *,
-                 lora: LoraConfig, steps: int, save_every: int, keep_last: int = 0,
+    def __init__(self, cfg: Config, run_dir: Path, policy: Policy, tokenizer, sampler, dist, *,
                  stop_requested: Callable[[], bool]):
         self.directory = Path(run_dir) / "checkpoints"
-        self.policy, self.tokenizer, self.sampler, self.dist, self.lora = policy, tokenizer, sampler, dist, lora
-        self.steps, self.save_every, self.keep_last, self.stop_requested = steps, save_every, keep_last, stop_requested
+        self.policy, self.tokenizer, self.sampler, self.dist = policy, tokenizer, sampler, dist
+        self.lora, self.steps, self.stop_requested = cfg.model.lora, cfg.trainer.steps, stop_requested
+        self.save_every, self.keep_last = cfg.trainer.save_every, cfg.trainer.keep_last
         self.start_step = self.completed_steps = 0
         self.positions: list[int] | None = None
         self.step = 1  # the step the run is at: the one in progress, or the one being checkpointed (for errors)
@@ -51,8 +42,6 @@ class Checkpointer:
     def resume(self, checkpoint: Path) -> int:
         """Load weights, optimizer, schedule and this rank's data position from `checkpoint` (checked before
         anything is loaded); the run continues after its step, which is returned."""
-        from models.checkpoint import load_checkpoint
-        from models.lora import load_lora_checkpoint
         load = load_lora_checkpoint if self.lora.enabled else load_checkpoint
         step, extra = load(checkpoint, self.policy.model, self.policy.optimizer)
         self.policy.scheduler.load_state_dict(extra["scheduler"])
@@ -74,14 +63,11 @@ class Checkpointer:
     def _delete_older(self, newest: int) -> None:
         """Keep step_<newest> (just written, complete) and the keep_last - 1 complete checkpoints before it; delete
         older ones. Checkpoints of later steps (left by an earlier run in this directory) are not touched."""
-        from models.checkpoint import complete_checkpoints
         older = [path for step, path in complete_checkpoints(self.directory) if step < newest]
         for path in older[:max(0, len(older) - (self.keep_last - 1))]:
             shutil.rmtree(path)
 
     def _write(self, step: int) -> Path:
-        from models.checkpoint import save_checkpoint
-        from models.lora import save_lora_checkpoint
         dist, model = self.dist, self.policy.model
         local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
         bad = dist.all_reduce_max(torch.tensor(float(not all(bool(torch.isfinite(p).all()) for p in local)),

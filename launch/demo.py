@@ -27,7 +27,7 @@ from data.rows import write_rows
 from data.synthetic import generate_rows
 from grpo.evaluate import summarize
 from grpo.stats import paired_difference
-from launch.config import load_config
+from launch.recipe import load_config
 from launch.dist import init_distributed
 from launch.plot import read_metrics, training_curves
 from launch.train import run

@@ -1,9 +1,12 @@
-"""Process-group set-up and the few collectives the loops need, handed to them as a small frozen value.
+"""This process's place in the run: the process group (torchrun) or one process, the few collectives the loops
+need, handed to them as one small frozen value (DistInfo), the CPU allocator setting, and the rank's exit.
 
 Without torchrun everything runs as one process: the collectives are identities.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import datetime
 import logging
 import os
@@ -14,6 +17,10 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as torch_dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from grpo.config import Config, check_placement
+from models import fsdp
 
 
 def _identity(tensor):
@@ -22,15 +29,22 @@ def _identity(tensor):
 
 @dataclass(frozen=True)
 class DistInfo:
+    """rank / world_size count the ranks of this rank's role: all of them when colocated; the trainers, or the
+    engine ranks, under rollout.placement=separate (launch/separate.py), where `role` says which and `links`
+    holds the process groups between the roles. The ranks of one engine replica (tp_size consecutive ranks,
+    vLLM tensor parallelism) form data-parallel group dp_rank of dp_size: they draw the same prompts and seeds,
+    and rank tp_rank of the group trains on its share."""
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    mesh: object = None  # DeviceMesh over all ranks (FSDP2), None for one process
+    mesh: object = None  # DeviceMesh over this role's ranks (FSDP2), None for one process and for engine ranks
     all_reduce_sum: Callable = _identity
     all_reduce_max: Callable = _identity
-    tp_size: int = 1  # ranks per engine replica (launch.plan.tp_groups): consecutive ranks share prompts and seeds
-    placement: Placement | None = None  # rollout.placement=separate: this rank's role and the groups between roles
+    tp_size: int = 1
+    global_rank: int = 0  # the rank in the torchrun world
+    role: str = "colocated"  # or "trainer" / "rollout" under rollout.placement=separate
+    links: Links | None = None  # the groups between the roles under rollout.placement=separate
 
     @property
     def is_main(self) -> bool:
@@ -44,7 +58,7 @@ class DistInfo:
     @property
     def distributed(self) -> bool:
         """A process group exists (torchrun): the teardown has one to destroy."""
-        return self.mesh is not None or self.placement is not None
+        return self.mesh is not None or self.links is not None
 
     @property
     def dp_rank(self) -> int:
@@ -61,6 +75,17 @@ class DistInfo:
         return self.rank % self.tp_size
 
 
+@dataclass(frozen=True)
+class Links:
+    """rollout.placement=separate: ranks [0, T) train, ranks [T, W) run the engines (launch/separate.py). `link`
+    (gloo, all ranks: batches and held-out results, point to point) and `weights` (trainer 0 and the engine
+    ranks, NCCL on GPUs: the weight broadcast); every rank creates every group, in the same order."""
+    trainer_ranks: tuple[int, ...]
+    rollout_ranks: tuple[int, ...]
+    link: object
+    weights: object
+
+
 class CollectiveFailed(RuntimeError):
     """One of the loops' collectives failed (the cause is chained), e.g. when trainer.collective_timeout_s passed:
     launch.train names it beside the phase and the step."""
@@ -70,7 +95,8 @@ class CollectiveFailed(RuntimeError):
         self.collective = collective
 
 
-def _all_reduce(op, group=None):
+def all_reduce(op, group=None) -> Callable:
+    """The all-reduce `op` over `group` (None: the world) of a copy of a tensor."""
     def reduce(tensor):
         tensor = tensor.clone()
         try:
@@ -79,25 +105,6 @@ def _all_reduce(op, group=None):
             raise CollectiveFailed(f"all_reduce {op.name.lower()}") from error
         return tensor
     return reduce
-
-
-@dataclass(frozen=True)
-class Placement:
-    """rollout.placement=separate: ranks [0, T) train, ranks [T, W) run the engines (launch/separate.py).
-
-    trainer_ranks / rollout_ranks: global ranks of each role. Groups (every rank creates every one, in the same
-    order): `link` (gloo, all ranks: batches and held-out results, point to point) and `weights` (trainer 0 and
-    the rollout ranks, NCCL on GPUs: the weight broadcast)."""
-    role: str  # "trainer" or "rollout"
-    global_rank: int
-    trainer_ranks: tuple[int, ...]
-    rollout_ranks: tuple[int, ...]
-    link: object
-    weights: object
-
-    @property
-    def is_rollout(self) -> bool:
-        return self.role == "rollout"
 
 
 def process_group_options(device: torch.device, *, blocking_wait: bool = True) -> tuple[str, dict, dict]:
@@ -121,27 +128,29 @@ def process_group_options(device: torch.device, *, blocking_wait: bool = True) -
     return "nccl", {"device_id": device}, ({"TORCH_NCCL_BLOCKING_WAIT": "1"} if blocking_wait else {})
 
 
-def init_distributed(timeout_s: float = 1800.0, *, nccl_blocking_wait: bool = True, rollout_ranks: int = 0) -> DistInfo:
+def init_distributed(cfg: Config | None = None) -> DistInfo:
     """One process, or the torchrun world (nccl on CUDA, gloo on CPU: process_group_options), of any size: under
     torchrun even one rank gets its process group and FSDP2 (`torchrun --nproc_per_node=1` runs the multi-GPU
-    code path on one GPU). Call once, before building vLLM.
+    code path on one GPU). Call once, before building vLLM. cfg None: the defaults (launch.demo's arms share it).
 
-    timeout_s (trainer.collective_timeout_s): how long a collective waits for the other ranks before it raises,
-    so a rank that died or stopped answering ends the run with an error instead of a hang. rollout_ranks > 0
-    (rollout.placement=separate): the last rollout_ranks ranks run the engines; this rank's DistInfo then counts
-    the ranks of its own role only (its collectives, mesh and models.fsdp's group are its role's), and
-    `placement` holds the groups between the roles."""
+    trainer.collective_timeout_s: how long a collective waits for the other ranks before it raises, so a rank that
+    died or stopped answering ends the run with an error instead of a hang. rollout.placement=separate: the
+    world is cut into trainer and engine ranks (after checking the cut), each role with its own groups."""
+    cfg = cfg or Config()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    separate = cfg.stage == "rl" and cfg.rollout.placement == "separate"
+    if separate:
+        check_placement(cfg, world_size)  # before the world is cut into roles
     if world_size == 1 and not under_torchrun():
         return DistInfo(device=device)
+    timeout = datetime.timedelta(seconds=cfg.trainer.collective_timeout_s)
     if not torch_dist.is_initialized():
-        timeout = datetime.timedelta(seconds=timeout_s)
-        backend, options, environment = process_group_options(device, blocking_wait=nccl_blocking_wait)
+        backend, options, environment = process_group_options(device, blocking_wait=cfg.trainer.nccl_blocking_wait)
         for name, value in environment.items():
             os.environ.setdefault(name, value)
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -155,37 +164,33 @@ def init_distributed(timeout_s: float = 1800.0, *, nccl_blocking_wait: bool = Tr
                                           **options)
         else:
             torch_dist.init_process_group(backend, timeout=timeout, **options)
-    if rollout_ranks:
-        return _separate(torch_dist.get_rank(), world_size, rollout_ranks, local_rank, device)
-    from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh(device.type, (world_size,))
-    return DistInfo(rank=torch_dist.get_rank(), world_size=world_size, local_rank=local_rank, device=device,
-                    mesh=mesh, all_reduce_sum=_all_reduce(torch_dist.ReduceOp.SUM),
-                    all_reduce_max=_all_reduce(torch_dist.ReduceOp.MAX))
+    rank = torch_dist.get_rank()
+    if separate:
+        return _split(rank, world_size, cfg.rollout.num_ranks, local_rank, device, timeout)
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device,
+                    mesh=init_device_mesh(device.type, (world_size,)), global_rank=rank,
+                    all_reduce_sum=all_reduce(torch_dist.ReduceOp.SUM),
+                    all_reduce_max=all_reduce(torch_dist.ReduceOp.MAX))
 
 
-def _separate(rank: int, world_size: int, rollout_ranks: int, local_rank: int, device: torch.device) -> DistInfo:
-    """The DistInfo of one role of a separate placement (see init_distributed)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from models import fsdp
-    if not 0 < rollout_ranks < world_size:
-        raise ValueError(f"rollout.num_ranks={rollout_ranks} must leave at least one of the {world_size} ranks "
-                         f"training and take at least one")
+def _split(rank: int, world_size: int, rollout_ranks: int, local_rank: int, device: torch.device,
+           timeout: datetime.timedelta) -> DistInfo:
+    """This rank's DistInfo under rollout.placement=separate: its role's ranks, collectives and (trainers) mesh;
+    models.fsdp's collectives span the role's group. Every group gets trainer.collective_timeout_s."""
     trainers = tuple(range(world_size - rollout_ranks))
     engines = tuple(range(len(trainers), world_size))
-    trainer_group = torch_dist.new_group(list(trainers))
-    rollout_group = torch_dist.new_group(list(engines), backend="gloo")
-    link = torch_dist.new_group(list(range(world_size)), backend="gloo")
-    weights = torch_dist.new_group([trainers[0], *engines])
+    trainer_group = torch_dist.new_group(list(trainers), timeout=timeout)
+    rollout_group = torch_dist.new_group(list(engines), backend="gloo", timeout=timeout)
+    link = torch_dist.new_group(list(range(world_size)), backend="gloo", timeout=timeout)
+    weights = torch_dist.new_group([trainers[0], *engines], timeout=timeout)
     training = rank in trainers
     ranks, group = (trainers, trainer_group) if training else (engines, rollout_group)
-    placement = Placement("trainer" if training else "rollout", rank, trainers, engines, link, weights)
     fsdp.use_group(group)
     return DistInfo(rank=rank - ranks[0], world_size=len(ranks), local_rank=local_rank, device=device,
                     mesh=DeviceMesh.from_group(group, device.type) if training else None,  # the trainers shard
-                    all_reduce_sum=_all_reduce(torch_dist.ReduceOp.SUM, group),
-                    all_reduce_max=_all_reduce(torch_dist.ReduceOp.MAX, group), placement=placement)
+                    all_reduce_sum=all_reduce(torch_dist.ReduceOp.SUM, group),
+                    all_reduce_max=all_reduce(torch_dist.ReduceOp.MAX, group), global_rank=rank,
+                    role="trainer" if training else "rollout", links=Links(trainers, engines, link, weights))
 
 
 def under_torchrun() -> bool:
@@ -225,3 +230,33 @@ def exit_rank(code: int) -> NoReturn:
         except (OSError, ValueError):  # closed or gone (a broken pipe): nothing more can reach it
             pass
     os._exit(code)
+
+
+# --- CPU runs: glibc keeps freed memory in the process (trainer.keep_freed_memory) ------------------------------
+# By default glibc serves every block above its mmap threshold (at most 32 MB) with a fresh mmap, unmaps it on free
+# and trims the heap top, so a training step page-faults its activations, gradients and logit chunks in again
+# every step (the kernel zeroing each page). With mmap and trimming off the pages stay mapped, as an LD_PRELOADed
+# jemalloc or tcmalloc gives CPU PyTorch; bench/README.md, "Freed memory kept in the process", has the figures.
+# Only glibc has mallopt; elsewhere nothing changes. CUDA memory has its own caching allocator.
+
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameters (glibc's malloc.h)
+# The same two settings as environment variables, for a process that cannot call keep_freed_memory itself
+# (bench.vs_trl --allocator cached gives them to TRL's process).
+MALLOC_ENVIRONMENT = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
+_kept = False
+
+
+def keep_freed_memory() -> bool:
+    """Turn off mmap for large blocks (M_MMAP_MAX=0: they come from the heap, which is reused) and heap
+    trimming (M_TRIM_THRESHOLD=-1). Process-wide and permanent; calling it again does nothing. Returns
+    whether the setting is in effect (False where the C library has no mallopt, e.g. macOS or musl)."""
+    global _kept
+    if _kept:
+        return True
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    _kept = bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, -1))
+    return _kept

@@ -29,7 +29,10 @@ from data.jsonio import atomic_write_text
 from data.rows import read_rows
 from grpo.evaluate import greedy_completions
 from grpo.scoring import Scorer
-from models import render_prompt, resolve_model_dir
+from launch.build import build_engine
+from launch.plan import Target
+from launch.recipe import load_config
+from models import load_tokenizer, render_prompt, resolve_model_dir
 from models.chat import prefix_decoder
 from models.checkpoint import latest_checkpoint
 from rewards.factqa import INDEX_ENV
@@ -204,29 +207,17 @@ def check_positive(args: argparse.Namespace, *names: str) -> None:
 
 
 def engine_from_args(args: argparse.Namespace, model_dir: Path | None) -> tuple[object, object, str]:
-    """(engine, tokenizer, dtype) for add_engine_arguments' options, their defaults filled in for this machine."""
+    """(engine, tokenizer, dtype) for add_engine_arguments' options, their defaults filled in for this machine: the
+    factory training uses (launch.build.build_engine) with this machine's plan for these settings; the tokenizer
+    comes from the same directory as the weights."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    engine, tokenizer = load_engine(args.engine, model_dir, device, dtype, max_model_len=args.max_model_len)
-    return engine, tokenizer, dtype
-
-
-def load_engine(engine_kind: str, model_dir: Path | None, device: str, dtype: str, max_model_len: int):
-    """(engine, tokenizer) from the factory training uses (launch.engines.build_engine) with this machine's
-    plan for these settings; the tokenizer comes from the same directory as the weights."""
-    import torch
-
-    from launch.config import load_config
-    from launch.engines import build_engine
-    from launch.plan import Target
-    from models import load_tokenizer, resolve_model_dir
-
     tokenizer = load_tokenizer(model_dir)
-    cfg = load_config(None, [f"rollout.engine={engine_kind}", f"model.dtype={dtype}", f"model.param_dtype={dtype}",
-                             f"rollout.max_model_len={max_model_len}"])
+    cfg = load_config(None, [f"rollout.engine={args.engine}", f"model.dtype={dtype}", f"model.param_dtype={dtype}",
+                             f"rollout.max_model_len={args.max_model_len}"])
     target = dataclasses.replace(Target.here(), device=torch.device(device).type)
-    engine, _ = build_engine(cfg, target, resolve_model_dir(model_dir), tokenizer, device=torch.device(device))
-    return engine, tokenizer
+    engine = build_engine(cfg, target, resolve_model_dir(model_dir), tokenizer, device=torch.device(device))
+    return engine, tokenizer, dtype
 
 
 def evaluate_command(argv: list[str]) -> None:

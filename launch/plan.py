@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from launch.schema import Config
-from launch.config import ConfigError
+from grpo.config import Config, ConfigError, check
 from models.loading import choose_attention
 from rollout.vllm_engine import SLEEP_LEVEL, WORKER_EXTENSION
 
@@ -46,11 +45,6 @@ class Target:
                    torchrun)
 
 
-def tp_size(cfg: Config) -> int:
-    """Ranks per engine replica: vLLM's tensor parallelism; the transformers engine is one rank."""
-    return cfg.rollout.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1
-
-
 def tp_groups(world_size: int, tensor_parallel_size: int) -> list[list[int]]:
     """Consecutive ranks per replica (vLLM's external launcher groups them so): [[0, 1], [2, 3], ...] at TP 2.
 
@@ -65,11 +59,7 @@ def model_len(cfg: Config) -> int:
     the run asks for (training or held-out)."""
     if cfg.rollout.max_model_len is not None:
         return cfg.rollout.max_model_len
-    return cfg.data.max_prompt_tokens + _longest_completion(cfg)
-
-
-def _longest_completion(cfg: Config) -> int:
-    return max(cfg.rollout.max_new_tokens, cfg.trainer.eval_max_new_tokens)
+    return cfg.data.max_prompt_tokens + max(cfg.rollout.max_new_tokens, cfg.eval_max_new_tokens)
 
 
 def precision(cfg: Config, target: Target) -> dict:
@@ -106,7 +96,7 @@ def vllm_arguments(cfg: Config, target: Target, model_path: str = "<model direct
     cuda = target.device == "cuda"
     arguments = dict(
         model=model_path, dtype=cfg.model.param_dtype, max_model_len=model_len(cfg), seed=dp_rank,
-        tensor_parallel_size=tp_size(cfg), enforce_eager=enforce_eager(cfg, target), enable_prefix_caching=True,
+        tensor_parallel_size=cfg.rollout.tp_size, enforce_eager=enforce_eager(cfg, target), enable_prefix_caching=True,
         max_num_batched_tokens=max(4096, model_len(cfg)), logprobs_mode="processed_logprobs",
         generation_config="vllm",  # never take sampling defaults from the model's generation_config.json
         enable_sleep_mode=cuda,  # a CUDA allocator feature
@@ -142,37 +132,28 @@ def own_engine_copy(cfg: Config, target: Target) -> bool:
 
 
 def check_plan(cfg: Config, target: Target) -> None:
-    """What the target cannot run, refused naming the key, the value and what would fit."""
-    tp, world = tp_size(cfg), target.world_size
-    if cfg.rollout.tensor_parallel_size > 1 and cfg.rollout.engine != "vllm":
-        raise ConfigError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} needs rollout.engine=vllm "
-                          f"(the transformers engine runs on one rank)")
-    if world % tp and cfg.rollout.placement == "colocated":  # separate: launch.preflight.check_placement
-        raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the world size {world}: every rank "
-                          f"must belong to one replica")
-    needed = cfg.data.max_prompt_tokens + _longest_completion(cfg)
-    if cfg.rollout.engine == "vllm" and cfg.rollout.max_model_len is not None and cfg.rollout.max_model_len < needed:
-        raise ConfigError(f"rollout.max_model_len={cfg.rollout.max_model_len} cannot hold the longest prompt allowed "
-                          f"(data.max_prompt_tokens={cfg.data.max_prompt_tokens}) plus {_longest_completion(cfg)} new "
-                          f"tokens: {needed} would fit (or null to size it so)")
-    implementation = cfg.model.attn_implementation
-    if implementation == "flash_attention_2":
-        if target.device != "cuda" or not target.flash_attn:
-            raise ConfigError(f"model.attn_implementation=flash_attention_2 needs CUDA with flash-attn installed "
-                              f"(target: {target.device}, flash-attn {'present' if target.flash_attn else 'missing'}); "
-                              f"use auto or sdpa")
-        if cfg.model.param_dtype not in ("bfloat16", "float16"):
-            raise ConfigError(f"model.attn_implementation=flash_attention_2 computes in bf16/fp16 only, but "
-                              f"model.param_dtype={cfg.model.param_dtype}; set model.param_dtype=bfloat16 or use sdpa")
+    """What the target cannot run, refused naming the key, the value and what would fit; the settings' own rules
+    first (grpo.config.check, at the target's world size)."""
+    world = target.world_size - (cfg.rollout.num_ranks if cfg.rollout.placement == "separate" else 0)
+    check(cfg, world, whole_world=target.world_size)
+    if cfg.model.attn_implementation == "flash_attention_2" and (target.device != "cuda" or not target.flash_attn):
+        raise ConfigError(f"model.attn_implementation=flash_attention_2 needs CUDA with flash-attn installed "
+                          f"(target: {target.device}, flash-attn {'present' if target.flash_attn else 'missing'}); "
+                          f"use auto or sdpa")
 
 
 def logprob_pass(cfg: Config, target: Target) -> str:
-    """How the trainer's logprob passes run the model (models.logprobs.completion_logprobs): packed, or each
-    distinct prompt once with the completions on its KV cache; under gradient checkpointing (which drops that
-    cache) the packed pass shares the prompts."""
+    """How the trainer's logprob passes run the model (models.logprobs.completion_logprobs): packed; or each
+    distinct prompt once with the completions on its KV cache (two forwards), except where that cannot run:
+    gradient checkpointing drops the cache, and FSDP over several ranks needs one forward on every rank (whether
+    a micro-batch repeats a prompt differs between ranks). There the packed pass shares the prompts."""
+    packs = attention(cfg, target) != "eager"
     if cfg.model.packed_logprobs:
         return "packed"
-    if cfg.model.gradient_checkpointing and attention(cfg, target) != "eager":
+    if target.world_size > 1:
+        return ("packed where rows share a prompt (FSDP over several ranks: one forward per pass on every rank)"
+                if packs else "plain (FSDP over several ranks: one forward per pass on every rank)")
+    if cfg.model.gradient_checkpointing and packs:
         return "update: packed, prompts shared (gradient checkpointing drops the KV cache); no-grad: shared prompts"
     return "shared prompts"
 
@@ -191,7 +172,7 @@ def placement(cfg: Config, target: Target) -> dict:
 def run_plan(cfg: Config, target: Target, model_path: str = "<model directory>") -> dict:
     """The whole plan as one JSON-able object (what --dry-run prints); checked first (check_plan)."""
     check_plan(cfg, target)
-    tp = tp_size(cfg)
+    tp = cfg.rollout.tp_size
     plan = {"target": {"device": target.device, "world_size": target.world_size, "flash_attn": target.flash_attn,
                        "torchrun": target.sharded},
             "precision": precision(cfg, target), "attention": attention(cfg, target),

@@ -1,7 +1,15 @@
-"""Reward calls in worker processes (reward.num_workers): a step's completions are scored concurrently, a call that
-runs past reward.timeout_s is abandoned (its worker killed, a new one started for the next call) and a worker that
-dies is an error naming its process and exit code. grpo.scoring.Scorer stays the one place a completion is scored:
-it receives this pool as its `compute_score` (one call) and `compute_scores` (a batch), and names the row.
+"""The run's reward functions, built once from the `reward` section (`reward_functions`): reward.functions
+registered by path, the corpus index exported to the factqa_corpus reward, that reward built with the configured
+triple extractor and window definition, and optionally worker processes that score a step's completions
+concurrently. grpo.scoring.Scorer stays the one place a completion is scored: it receives the results of this
+module as its `compute_score` (one call) and `compute_scores` (a batch), and names the row.
+
+Rewards know no model (docs/conventions.md, "Where code lives"), so the model-based triple extractor is assembled
+here: a local causal LM decoded greedily by rollout.hf_engine.HFEngine, handed to
+rewards.triples.ModelTripleExtractor as a plain `generate_fn(prompt) -> str`.
+
+Worker processes (reward.num_workers): a call that runs past reward.timeout_s is abandoned (its worker killed, a
+new one started for the next call) and a worker that dies is an error naming its process and exit code.
 
 Workers are started by a fork server ("forkserver"): forking the training process, which holds torch threads, a
 process group or CUDA, is not safe; the fork server is a fresh single-threaded process that imports the rewards
@@ -16,15 +24,20 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import multiprocessing.connection
+import os
 import signal
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # a worker imports this module: it stays free of torch (launch.schema imports it)
-    from launch.schema import RewardConfig
+import rewards
+from rewards.factqa import INDEX_ENV, make_factqa_reward
+from rewards.triples import ModelTripleExtractor
+
+if TYPE_CHECKING:  # a worker imports this module: it stays free of torch (grpo.config imports it)
+    from grpo.config import RewardConfig
 
 START_TIMEOUT_S = 300.0  # a worker imports the rewards (and, for a model triple extractor, loads an LM)
 
@@ -49,15 +62,12 @@ def _serve(connection, reward: dict, data_sources: list[str]) -> None:
     # (which may still need this worker) and then closes the pool.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    import rewards
     try:
-        for data_source, dotted in reward["functions"].items():
-            rewards.register(data_source, rewards.get_reward(dotted), overwrite=True)
+        register_functions(reward["functions"], reward["corpus_index"])
         identities = {source: function_identity(rewards.get_reward(source)) for source in data_sources}
         if (reward["triple_extractor"], reward["cooccurrence_semantics"]) != ("rule", "engine"):
-            from launch.schema import RewardConfig  # not the registered default: build it here too
-            from launch.triples import install_factqa_reward
-            install_factqa_reward(RewardConfig(**reward))
+            from grpo.config import RewardConfig  # not the registered default: build it here too (imports torch)
+            rewards.register("factqa_corpus", factqa_reward_for(RewardConfig(**reward)), overwrite=True)
     except Exception as error:
         connection.send(("error", f"{type(error).__name__}: {error}", traceback.format_exc()))
         return
@@ -133,7 +143,7 @@ class RewardPool:
             raise RewardWorkerError(f"reward worker pid {worker.process.pid} died while starting "
                                     f"(exit code {worker.process.exitcode})") from None
         if status != "ready":
-            from launch.config import ConfigError
+            from grpo.config import ConfigError  # grpo.config imports torch, which the workers do not need
             raise ConfigError(f"reward.num_workers: a reward worker could not set up the rewards: {payload}")
         return payload
 
@@ -226,3 +236,95 @@ class RewardPool:
 
 
 _PENDING = object()
+
+
+def register_functions(functions: dict[str, str], corpus_index: str | None) -> None:
+    """reward.functions registered by path (each process: this one and every worker), and the corpus index
+    exported to the factqa_corpus reward (NANOGRPO_CORPUS_INDEX)."""
+    for data_source, dotted in functions.items():
+        rewards.register(data_source, rewards.get_reward(dotted), overwrite=True)
+    if corpus_index is not None:
+        os.environ[INDEX_ENV] = str(corpus_index)
+
+
+def model_generate_fn(name_or_path: str | None, *, max_new_tokens: int = 48, device: str = "cpu",
+                      dtype: str = "float32") -> Callable[[str], str]:
+    """Greedy continuation of a plain-text prompt (no chat template: the extraction prompt is few-shot text)
+    by a local causal LM; decoding stops at the next few-shot example ("\\nSentence:") or max_new_tokens."""
+    import torch
+
+    from models import load_model, load_tokenizer
+    from rollout.hf_engine import HFEngine
+
+    tokenizer = load_tokenizer(name_or_path)
+    model = load_model(name_or_path, dtype=getattr(torch, dtype), device=device).eval().requires_grad_(False)
+    # one torch thread: token-by-token decoding of one sequence gains nothing from more (rollout.engine.torch_threads)
+    engine = HFEngine(model, tokenizer, shared=False, num_threads=1)
+
+    def generate(prompt: str) -> str:
+        ids = tokenizer(prompt)["input_ids"]
+        completion = engine.generate([ids], n=1, max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0,
+                                     top_k=0, stop=["\nSentence:"], seed=0)[0]
+        return completion.text
+
+    return generate
+
+
+def factqa_reward_for(reward: RewardConfig, *, device: str = "cpu") -> Callable[..., dict] | None:
+    """The factqa_corpus reward the config asks for, or None when it is the registered default (rule
+    extractor, engine counts). Needs reward.corpus_index (or $NANOGRPO_CORPUS_INDEX) for anything else."""
+    from grpo.config import ConfigError  # grpo.config imports torch, which the workers do not need
+    from rewards.corpus import CorpusIndex
+
+    if reward.triple_extractor == "rule" and reward.cooccurrence_semantics == "engine":
+        return None
+    index_path = reward.corpus_index or os.environ.get(INDEX_ENV)
+    if not index_path:
+        raise ConfigError("reward.triple_extractor / reward.cooccurrence_semantics need reward.corpus_index "
+                          "(build one with: python -m rewards.corpus build --input corpus.jsonl --out DIR)")
+    extractor = None
+    if reward.triple_extractor == "model":
+        extractor = ModelTripleExtractor(model_generate_fn(
+            reward.triple_extractor_model, max_new_tokens=reward.triple_extractor_max_new_tokens, device=device))
+    return make_factqa_reward(CorpusIndex(index_path, semantics=reward.cooccurrence_semantics), extractor)
+
+
+def reward_functions(reward: RewardConfig, rows: list[dict], *, device: str = "cpu"):
+    """(compute_score, compute_scores or None, the worker pool or None) of a run, for grpo.scoring.Scorer:
+    reward.functions and the corpus index registered; with reward.num_workers every call goes through workers
+    (each builds the configured reward itself, and must resolve each data source of `rows` to the same function
+    as this process); else the configured factqa_corpus reward is dispatched here, ahead of the registry."""
+    register_functions(reward.functions, reward.corpus_index)
+    if reward.num_workers:
+        pool = _start_pool(reward, rows)
+        return pool.compute_score, pool.compute_scores, pool
+    configured = factqa_reward_for(reward, device=device)
+    if configured is None:
+        return rewards.compute_score, None, None
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        if data_source == "factqa_corpus":
+            return configured(data_source, solution_str, ground_truth, extra_info)
+        return rewards.compute_score(data_source, solution_str, ground_truth, extra_info)
+    return compute_score, None, None
+
+
+def _start_pool(reward: RewardConfig, rows: list[dict]) -> RewardPool:
+    """The reward workers, started, once each data source of `rows` resolves to the same function in them as here
+    (a reward registered in code only does not reach a new process)."""
+    from grpo.config import ConfigError  # grpo.config imports torch, which the workers do not need
+    sources = sorted({row["data_source"] for row in rows})
+    pool = RewardPool(reward, sources)
+    try:
+        theirs = pool.start()
+        ours = {source: function_identity(rewards.get_reward(source)) for source in sources}
+        for source in sources:
+            if theirs.get(source) != ours[source]:
+                raise ConfigError(
+                    f"reward.num_workers={reward.num_workers}: data_source {source!r} is {ours[source]} here but "
+                    f"{theirs.get(source)} in the reward workers (a reward registered in code does not reach a new "
+                    f"process): name it by path in reward.functions, or set reward.num_workers=0")
+    except BaseException:
+        pool.close()
+        raise
+    return pool

@@ -12,9 +12,15 @@ from pathlib import Path
 from tqdm import tqdm
 
 
-def _jsonable(value):
+def jsonable(value):
+    """`value` with every non-finite float as None: JSON has no NaN or infinity, so metrics.jsonl, eval.json and
+    launch.train's result write null there (docs/conventions.md); the key stays, so a gap stays visible."""
     if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # JSON has no NaN/inf; keep them visible instead of dropping the key
+        return None
+    if isinstance(value, dict):
+        return {key: jsonable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(item) for item in value]
     return value
 
 
@@ -47,7 +53,7 @@ class RunLog:
     def metrics(self, step: int, metrics: dict, postfix_keys: tuple[str, ...] = ("reward_mean",)) -> None:
         if not self.enabled:
             return
-        record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        record = {"step": step, **jsonable(metrics)}
         with open(self.run_dir / "metrics.jsonl", "a") as file:
             file.write(json.dumps(record) + "\n")
         numbers = {key: value for key, value in metrics.items() if isinstance(value, (int, float))}

@@ -1,8 +1,8 @@
 """Rollout on ranks of its own (rollout.placement=separate): the last rollout.num_ranks ranks of the torchrun world
 generate and score, the others train. Batches travel from the engines to the trainers and weights back over
-process groups of their own (launch.dist.Placement); with algorithm.max_staleness=1 the engines generate the
-batch of step n+1 while the trainers update on the batch of step n, and truncated IS corrects for the policy one
-step older that generated it.
+process groups of their own (launch.dist.Links); with algorithm.max_staleness=1 the engines generate the batch of
+step n+1 while the trainers update on the batch of step n, and truncated IS corrects for the policy one step
+older that generated it.
 
 Both sides run the same sequence (j: a step; v_j: the weights after j optimizer steps; S: max_staleness):
 
@@ -11,7 +11,7 @@ Both sides run the same sequence (j: a step; v_j: the weights after j optimizer 
                  S = 1: generate b_j with the weights it has (v_{j-1}; v_start at j = start)
                  j > start: join the broadcast of v_j (or of a stop: leave)
                  S = 0: generate b_j with v_j
-                 score the held-out rows when the loop evaluates after j (before the first step at j = start)
+                 score the held-out rows when the loop evaluates after j (grpo.evaluate.held_out_due)
                  the replica's first rank sends each trainer it serves msg_j: its share of b_j, the version of the
                  weights that generated it, the replica's data position after it, the held-out result
              join the broadcast of v_steps; with held-out rows score them and send msg_steps (no batch)
@@ -19,10 +19,10 @@ Both sides run the same sequence (j: a step; v_j: the weights after j optimizer 
     trainer  msg_j -> prepare, update -> broadcast v_{j+1} -> (held-out after j + 1: msg_{j+1}'s) -> ...
              at the end (or at a stop request): drain a message still on its way, broadcast the stop
 
-A replica is tensor_parallel_size rollout ranks (one engine); replica r serves trainer ranks
-[r * T / R, (r + 1) * T / R) and generates P prompts for each of them, in one collect_shares call. A checkpoint
-records, per trainer, the data position after the last batch it trained, so a batch generated but not trained
-when a run stops is generated again after resuming: never trained twice, never lost.
+Replica r (one engine rank) serves trainer ranks [r * T / R, (r + 1) * T / R) and generates P prompts for each
+of them in one LocalRollout.collect_shares call. A checkpoint records, per trainer, the data position after the
+last batch it trained, so a batch generated but not trained when a run stops is generated again after resuming:
+never trained twice, never lost.
 """
 from __future__ import annotations
 
@@ -34,18 +34,20 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as torch_dist
 
-from grpo.evaluate import evaluation_due
-from grpo.groups import collect_shares
-from rollout.buckets import bucketed, tensor_bytes
+from grpo.config import Config
+from grpo.evaluate import held_out_due
+from grpo.groups import Batch, LocalRollout
+from launch.dist import DistInfo
+from models.lora import merged_state_dict
 from rollout.engine import stream_seed
-from rollout.sync import updating_weights
+from rollout.sync import bucketed, tensor_bytes, updating_weights
 
 
 @dataclass
 class Message:
     """What a trainer receives for step j from its replica."""
     step: int
-    batch: object | None  # grpo.groups.Batch (its share), None after the last step
+    batch: Batch | None  # its share, None after the last step
     position: int  # the replica's data position after generating it
     held_out: dict | None  # grpo.evaluate.evaluate's result with the weights v_j, when the loop evaluates after j
 
@@ -82,20 +84,12 @@ def _wait(work, source: int, timeout_s: float) -> None:
         raise RuntimeError(f"Timed out after {timeout_s:g} s waiting for a message from rank {source}")
 
 
-def held_out_due(step: int, start: int, steps: int, every: int, before: bool) -> bool:
-    """Whether the loop scores the held-out rows with the weights after `step` optimizer steps (grpo.trainer)."""
-    if step == start:
-        return before
-    return step == steps or evaluation_due(step, every, steps)
-
-
 # --- The weight path: trainer 0 -> every rollout rank ---------------------------------------------------------
 
 def broadcast_weights(model, group, header: Header, *, bucket_bytes: int, sender: bool) -> dict:
     """Every trainer rank: stream the policy's full tensors (an FSDP2 gather); trainer 0 broadcasts the header and
     then each bucket over `group` (a manifest of names, shapes and dtypes, then one flat tensor per dtype).
     Returns sync metrics (seconds, bytes, buckets)."""
-    from models.lora import merged_state_dict
     started, total, count = time.perf_counter(), 0, 0
     if sender:
         torch_dist.broadcast_object_list([header], src=0, group=group)
@@ -150,148 +144,102 @@ def receive_weights(engine, group, device: torch.device) -> Header:
 # --- The trainer's side ---------------------------------------------------------------------------------------
 
 class RemoteRollout:
-    """A trainer rank's rollout (grpo.parts.RemoteRollout) and weight sync when the engines run apart.
+    """A trainer rank's rollout (grpo.groups.Rollout) when the engines run apart: this rank's share of a step's
+    scored groups, generated by the policy `policy_version` optimizer steps old, and the weights broadcast back.
+    Replica rank // (T / R) serves it; its first rank sends the messages. `position` is that replica's data
+    position after the last batch this rank trained (what a checkpoint records)."""
 
-    placement: launch.dist.Placement; replicas: engine replicas R; this trainer is served by replica
-    rank // (T / R), whose first rank sends its messages."""
-
-    def __init__(self, placement, model, *, replicas: int, steps: int, has_held_out: bool, bucket_bytes: int,
-                 timeout_s: float = 1800.0):
-        self.placement, self.model, self.steps, self.has_held_out = placement, model, steps, has_held_out
-        self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
-        trainers = len(placement.trainer_ranks)
-        self.replica = placement.global_rank // (trainers // replicas)
-        tp = len(placement.rollout_ranks) // replicas
-        self.source = placement.rollout_ranks[self.replica * tp]
+    def __init__(self, cfg: Config, dist: DistInfo, model: torch.nn.Module, *, has_held_out: bool):
+        links = dist.links
+        self.cfg, self.links, self.model, self.has_held_out = cfg, links, model, has_held_out
+        self.timeout_s, self.bucket_bytes = cfg.trainer.collective_timeout_s, cfg.rollout.sync_bucket_mb << 20
+        replicas = cfg.rollout.num_ranks  # one engine per rollout rank (grpo.config.check_placement)
+        self.replica = dist.global_rank // (len(links.trainer_ranks) // replicas)
+        self.source = links.rollout_ranks[self.replica]
         self.messages: dict[int, Message] = {}
         self.received = -1  # the last step whose message arrived
-        self.position = 0  # the data position after the last batch trained (what a checkpoint records)
+        self.position = 0
         self.version = 0
-        self.sender = placement.global_rank == placement.trainer_ranks[0]  # trainer 0 broadcasts the weights
+        self.sender = dist.global_rank == links.trainer_ranks[0]  # trainer 0 broadcasts the weights
 
     def _message(self, step: int) -> Message:
         while step not in self.messages:
-            message = receive_object(self.source, self.placement.link, self.timeout_s)
+            message = receive_object(self.source, self.links.link, self.timeout_s)
             self.messages[message.step] = message
             self.received = message.step
         return self.messages[step]
 
+    def _broadcast(self, header: Header) -> dict:
+        return broadcast_weights(self.model, self.links.weights, header, bucket_bytes=self.bucket_bytes,
+                                 sender=self.sender)
+
     def start(self, start_step: int, positions: list[int]) -> dict:
         """Send the start (first step, each replica's data position: a trainer's checkpointed one) and v_start."""
         self.version, self.received = start_step, start_step - 1
-        header = Header(stop=False, version=start_step, start=start_step, positions=tuple(positions))
-        return broadcast_weights(self.model, self.placement.weights, header, bucket_bytes=self.bucket_bytes,
-                                 sender=self.sender)
+        return self._broadcast(Header(stop=False, version=start_step, start=start_step, positions=tuple(positions)))
 
-    def collect(self, step: int):
+    def collect(self, step: int) -> Batch:
         message = self._message(step)
         self.position = message.position
         del self.messages[step]
         return message.batch
 
-    def evaluate(self, step: int) -> dict:
+    def evaluate(self, step: int) -> dict | None:
+        if not self.has_held_out:
+            return None
         message = self._message(step)
         if message.batch is None:
             del self.messages[step]
         return message.held_out
 
-    def sync(self) -> dict:
+    def sync_weights(self) -> dict:
         """Broadcast the weights after this step (v_{j+1})."""
         self.version += 1
-        header = Header(stop=False, version=self.version)
-        return broadcast_weights(self.model, self.placement.weights, header, bucket_bytes=self.bucket_bytes,
-                                 sender=self.sender)
+        return self._broadcast(Header(stop=False, version=self.version))
 
-    def close(self, signal: int = 0) -> None:
+    def close(self, stop_signal: int = 0) -> None:
         """Drain the message on its way, then broadcast the stop. The rollout ranks send msg_j once they hold v_j:
         after the last broadcast (v_version) that message is on its way unless it arrived already (a held-out
         point) or none is sent (after the last step without held-out rows); its batch is never trained."""
         following = self.version
-        if following > self.received and (following < self.steps or self.has_held_out):
+        if following > self.received and (following < self.cfg.trainer.steps or self.has_held_out):
             self._message(following)
         self.messages.clear()
-        broadcast_weights(self.model, self.placement.weights, Header(stop=True, version=self.version, signal=signal),
-                          bucket_bytes=self.bucket_bytes,
-                          sender=self.sender)
-
-
-class PositionOf:
-    """The Checkpointer's sampler on a trainer rank whose batches come from the engine ranks: `position` is the
-    serving replica's data position after the last batch this rank trained."""
-
-    def __init__(self, remote: RemoteRollout):
-        self.remote = remote
-
-    @property
-    def position(self) -> int:
-        return self.remote.position
-
-    @position.setter
-    def position(self, value: int) -> None:
-        self.remote.position = value
+        self._broadcast(Header(stop=True, version=self.version, signal=stop_signal))
 
 
 # --- The engines' side ----------------------------------------------------------------------------------------
 
-@dataclass
-class RolloutSide:
-    """What a rollout rank runs (built by launch.build): its engine, data, scorer, this replica's sampler and the
-    held-out evaluation (None without held-out rows), and the step's settings (grpo.parts.RLSpec)."""
-    spec: object
-    engine: object
-    sampler: object
-    rows: list
-    prompt_ids: list
-    scorer: object
-    evaluate: object | None
-    placement: object
-    replicas: int
-    replica: int
-    lead: bool  # the replica's first rank: it sends the messages
-    served: tuple[int, ...]  # the trainer ranks this replica serves
-    max_staleness: int
-    device: torch.device
-
-
-def serve(side: RolloutSide) -> int:
-    """The rollout rank's whole run (the sequence in the module docstring). Returns the stop signal the trainers
-    agreed on (0 when the run ended)."""
-    spec, placement = side.spec, side.placement
-    header = receive_weights(side.engine, placement.weights, side.device)  # the start and v_start
-    start, steps = header.start, spec.steps
-    side.sampler.position = header.positions[side.replica]
-    every, before = spec.evaluation.every, spec.evaluation.before
+def serve(local: LocalRollout, dist: DistInfo) -> int:
+    """An engine rank's whole run (the sequence in the module docstring) on its LocalRollout, whose sampler is
+    this replica's order over the rows. Returns the stop signal the trainers agreed on (0 when the run ended)."""
+    cfg, links = local.cfg, dist.links
+    trainers = len(links.trainer_ranks) // len(links.rollout_ranks)
+    served = range(dist.rank * trainers, (dist.rank + 1) * trainers)  # the trainer ranks this replica serves
+    header = receive_weights(local.engine, links.weights, dist.device)  # the start and v_start
+    start, steps = header.start, cfg.trainer.steps
+    local.sampler.position = header.positions[dist.rank]
     batches = None
+
+    def generate(step: int) -> list[Batch]:
+        return local.collect_shares(stream_seed(cfg.seed, step, dist.rank), len(served))
+
     for step in range(start, steps + 1):
         version = step if step == start else step - 1
-        if step < steps and (side.max_staleness == 1 or step == start):
-            batches = _generate(side, step)
+        if step < steps and (cfg.algorithm.max_staleness == 1 or step == start):
+            batches = generate(step)
         if step > start:
-            header = receive_weights(side.engine, placement.weights, side.device)
+            header = receive_weights(local.engine, links.weights, dist.device)
             if header.stop:
                 return header.signal
-        if step < steps and side.max_staleness == 0 and step > start:
-            version, batches = step, _generate(side, step)
-        held_out = None
-        if side.evaluate is not None and held_out_due(step, start, steps, every, before):
-            held_out = side.evaluate(step)
-        if step == steps and side.evaluate is None:
+        if step < steps and cfg.algorithm.max_staleness == 0 and step > start:
+            version, batches = step, generate(step)
+        held_out = local.evaluate(step) if held_out_due(step, start, cfg.trainer) else None
+        if step == steps and not local.eval_rows:
             break
-        if side.lead:
-            for index, trainer in enumerate(side.served):
-                batch = batches[index] if step < steps else None
-                if batch is not None:
-                    batch.policy_version = version
-                send_object(Message(step, batch, side.sampler.position, held_out), trainer, placement.link)
-    header = receive_weights(side.engine, placement.weights, side.device)
-    return header.signal
-
-
-def _generate(side: RolloutSide, step: int) -> list:
-    """The replica's batches of step `step`, one per trainer it serves."""
-    spec = side.spec
-    return collect_shares(
-        side.engine, side.sampler, side.rows, side.prompt_ids, side.scorer,
-        num_prompts=spec.batching.prompts_per_step, group_size=spec.batching.group_size,
-        sampling=spec.sampling.kwargs(), seed=stream_seed(spec.seed, step, side.replica),
-        dynamic_sampling=spec.dynamic_sampling, max_rounds=spec.max_gen_batches, shares=len(side.served))
+        for index, trainer in enumerate(served):
+            batch = batches[index] if step < steps else None
+            if batch is not None:
+                batch.policy_version = version
+            send_object(Message(step, batch, local.sampler.position, held_out), trainer, links.link)
+    return receive_weights(local.engine, links.weights, dist.device).signal

@@ -14,19 +14,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import signal
 import sys
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
+import torch
 import yaml
 
-from launch.schema import Config
-from launch.config import ConfigError, load_config, to_dict
+from grpo.config import Config, ConfigError, startup_warnings
+from grpo.trainer import StepFailed
+from launch.build import build
+from launch.dist import CollectiveFailed, DistInfo, exit_rank, init_distributed, shutdown
+from launch.plan import Target, check_plan, run_plan
+from launch.preflight import prepare
+from launch.recipe import load_config, to_dict
+from models import resolve_model_dir
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -103,11 +108,9 @@ _COLLECTIVE_HINTS = (("timed out", "a collective waited longer than trainer.coll
 
 
 def describe_failure(error: BaseException, *, rank: int, step: int | None, collective_timeout_s: float) -> str:
-    """'<phase> failed at step <n> on rank <r>: <error>': the phase and step of a grpo.parts.StepFailed (the loops'
+    """'<phase> failed at step <n> on rank <r>: <error>': the phase and step of a grpo.trainer.StepFailed (the loops'
     phases, held-out evaluation, checkpoint), else "training step" at `step` (or "start-up" before the loop), and
     the collective when one of launch.dist's failed (launch.dist.CollectiveFailed)."""
-    from grpo.parts import StepFailed
-    from launch.dist import CollectiveFailed
     phase = "training step" if step is not None else "start-up"
     if isinstance(error, StepFailed):
         phase, step, error = error.phase, error.step, error.__cause__
@@ -120,26 +123,12 @@ def describe_failure(error: BaseException, *, rank: int, step: int | None, colle
     return f"{phase} failed {where} on rank {rank}: {text}" + (f" ({hints[0]})" if hints else "")
 
 
-def _jsonable(result: dict) -> dict:
-    """A held-out result for eval.json: count, means with intervals, per-prompt values (NaN as null)."""
-    clean = lambda x: None if isinstance(x, float) and math.isnan(x) else x  # noqa: E731
-    return {"count": result["count"], "means": {k: [clean(x) for x in v] for k, v in result["means"].items()},
-            "values": {k: [clean(x) for x in v] for k, v in result["values"].items()}}
-
-
-def run(cfg: Config, dist, *, resume: bool = False, rows: list[dict] | None = None,
+def run(cfg: Config, dist: DistInfo, *, resume: bool = False, rows: list[dict] | None = None,
         eval_rows: list[dict] | None = None) -> dict:
     """Build, score the held-out rows before, train, score after. Returns {"run_dir", "before", "after"} (the
     held-out results: count, means with 95% intervals, per-prompt values), or "interrupted" (steps done) and
     "signal" (the stop signal's number). A failure after start-up raises RunFailed naming phase, step and rank."""
-    import torch
-
-    from grpo.sft import train_sft
-    from grpo.trainer import train_rl
-    from launch.build import build
-
-    from launch.plan import tp_size
-    dist = dataclasses.replace(dist, tp_size=tp_size(cfg))  # which ranks share one engine replica
+    dist = dataclasses.replace(dist, tp_size=cfg.rollout.tp_size)  # which ranks share one engine replica
     with interrupt_requests(announce=dist.is_main) as request:
         def stop() -> bool:
             # Every rank must stop after the same step: the request is reduced over ranks once per step.
@@ -149,70 +138,37 @@ def run(cfg: Config, dist, *, resume: bool = False, rows: list[dict] | None = No
         built = None
         try:
             built = build(cfg, dist, resume=resume, stop_requested=stop, rows=rows, eval_rows=eval_rows)
-            if hasattr(built, "side"):  # a rollout rank of a separate placement: generate until the trainers stop
-                from launch.separate import serve
-                stopped_by = serve(built.side)
-                built.engine.close()
-                return {"run_dir": str(Path(cfg.trainer.out_dir) / cfg.trainer.run_name), "rollout_rank": True,
-                        **({"interrupted": True, "signal": stopped_by} if stopped_by else {})}
-            summary = _train(cfg, dist, built, train_sft if cfg.stage == "sft" else train_rl, request)
+            return built.finish(built, built.loop(built.parts, dist), request.agreed)
         except (ConfigError, KeyboardInterrupt):
             raise
         except Exception as error:
-            checkpoints = getattr(built, "checkpoints", None)  # a rollout rank has none
-            step = checkpoints.step if checkpoints is not None else None
-            raise RunFailed(describe_failure(error, rank=_global_rank(dist), step=step,
+            step = built.checkpoints.step if built is not None and built.checkpoints is not None else None
+            raise RunFailed(describe_failure(error, rank=dist.global_rank, step=step,
                                              collective_timeout_s=cfg.trainer.collective_timeout_s)) from error
         finally:
             if built is not None:
                 built.close()
-    if "interrupted" in summary:
-        summary["signal"] = request.agreed
-    return summary
 
 
-def _global_rank(dist) -> int:
-    """The rank of the torchrun world (a separate placement's DistInfo counts its own role's ranks)."""
-    placement = getattr(dist, "placement", None)
-    return placement.global_rank if placement is not None else dist.rank
-
-
-def _train(cfg: Config, dist, built, loop, request: StopRequest) -> dict:
-    result = loop(built.parts, dist)
-    if built.remote is not None:  # the engines wait for the next weights: tell them the run ends (or stops)
-        stopped = built.checkpoints.completed_steps < cfg.trainer.steps
-        built.remote.close(signal=request.agreed if stopped else 0)
-    summary = {"run_dir": str(built.run_dir), "final": result["final"],
-               "before": _jsonable(result["before"]) if "before" in result else {}}
-    if built.checkpoints.completed_steps < cfg.trainer.steps:
-        summary["interrupted"] = built.checkpoints.completed_steps
-        return summary
-    summary["after"] = _jsonable(result["after"]) if "after" in result else {}
-    if dist.is_main:
-        (built.run_dir / "eval.json").write_text(json.dumps({k: summary[k] for k in ("before", "after")}, indent=1))
-    if built.engine is not None:
-        built.engine.close()
-    return summary
-
-
-def _dry_run(cfg: Config, dist, args: argparse.Namespace) -> None:
+def _dry_run(cfg: Config, dist: DistInfo, args: argparse.Namespace) -> None:
     """Every check a real start makes before the model loads (launch/preflight.py), then print the config and, as
     the last line of stdout, the plan (launch.plan.run_plan) as one JSON object. For another target (--device,
     --world-size) only the settings are checked: the files, model and tokenizer are the target machine's."""
-    from launch.plan import Target, run_plan
-    from launch.preflight import _check_settings, prepare, startup_warnings
     here = Target.here(dist.world_size, torchrun=dist.sharded)
     target = Target(args.device or here.device, args.world_size or dist.world_size,
                     not args.no_flash_attn and (here.flash_attn if args.device in (None, here.device) else True),
                     torchrun=here.torchrun)
     model = cfg.init_from or cfg.model.name_or_path or "<the embedded default's directory>"
     if target == here:
-        from models import resolve_model_dir
         prepared = prepare(cfg, dist)
-        warnings, summary = prepared.warnings, _prepared_summary(cfg, prepared)
+        longest = max(map(len, prepared.prompt_ids + prepared.eval_prompt_ids))
+        resume = f"; would resume from {prepared.latest}" if prepared.latest else ""
+        warnings, summary = prepared.warnings, (
+            f"ok: {len(prepared.rows)} training rows, {len(prepared.eval_rows)} held-out rows, longest prompt "
+            f"{longest} tokens (data.max_prompt_tokens={cfg.data.max_prompt_tokens}){resume}")
         model = str(resolve_model_dir(prepared.source))
     else:
-        _check_settings(cfg, target.world_size, target)
+        check_plan(cfg, target)
         warnings, summary = startup_warnings(cfg), f"ok: settings checked for {target.device} x {target.world_size}"
     if dist.is_main:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
@@ -222,37 +178,14 @@ def _dry_run(cfg: Config, dist, args: argparse.Namespace) -> None:
         print(json.dumps(run_plan(cfg, target, model)))
 
 
-def _prepared_summary(cfg: Config, prepared) -> str:
-    longest = max(map(len, prepared.prompt_ids + prepared.eval_prompt_ids))
-    resume = f"; would resume from {prepared.latest}" if prepared.latest else ""
-    return (f"ok: {len(prepared.rows)} training rows, {len(prepared.eval_rows)} held-out rows, longest prompt "
-            f"{longest} tokens (data.max_prompt_tokens={cfg.data.max_prompt_tokens}){resume}")
-
-
-def init_for(cfg: Config):
-    """This process's place in the run (launch.dist.init_distributed) for the config: with rollout.placement=separate
-    the world is cut into trainer and rollout ranks, after checking the cut (ConfigError naming the key)."""
-    import os
-
-    from launch.dist import init_distributed
-    from launch.preflight import check_placement
-    separate = cfg.stage == "rl" and cfg.rollout.placement == "separate"
-    if separate:
-        check_placement(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before the world is cut into roles
-    return init_distributed(timeout_s=cfg.trainer.collective_timeout_s,
-                            nccl_blocking_wait=cfg.trainer.nccl_blocking_wait,
-                            rollout_ranks=cfg.rollout.num_ranks if separate else 0)
-
-
 def main(argv=None) -> int:
     """Exit codes: 0 done; 1 failed (RunFailed names the phase, the step and the rank); 2 a config error, found
-    before anything is written; 124 a stalled weight sync (launch/watchdog.py); 128 + the signal when stopped
+    before anything is written; 124 a stalled weight sync (grpo.trainer.deadline); 128 + the signal when stopped
     by Ctrl-C (130) or SIGTERM (143) after finishing the step and writing a checkpoint."""
     args = parse_args(argv)
-    from launch.dist import shutdown
     try:
         cfg = load_config(args.config, args.overrides + (["trainer.resume=always"] if args.resume else []))
-        dist = init_for(cfg)
+        dist = init_distributed(cfg)
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
@@ -279,5 +212,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from launch.dist import exit_rank
     exit_rank(main())

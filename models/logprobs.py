@@ -226,10 +226,12 @@ def _completion_hidden(model, batch: dict, original: dict, *, share_prompts: boo
                          and torch.is_grad_enabled())
         # The shared-prompt pass runs two forwards on a KV cache. Gradient checkpointing drops that cache inside
         # its layers. Under FSDP every rank must run as many forwards as the others (each all-gathers every
-        # layer's weights), while whether a micro-batch repeats a prompt differs from rank to rank; a sharded
-        # model therefore never takes it, and the decision needs no collective. In both cases the packed pass
-        # shares the prompts in one forward where the model can pack, and the plain pass runs where it cannot.
-        on_cache = shared and not checkpointing and not fsdp.is_sharded(model)
+        # layer's weights), while whether a micro-batch repeats a prompt differs from rank to rank; a model sharded
+        # over several ranks therefore never takes it, and the decision needs no collective (one rank has no other
+        # to disagree with, and computes what one process does). In both cases the packed pass shares the prompts
+        # in one forward where the model can pack, and the plain pass runs where it cannot.
+        several_ranks = fsdp.is_sharded(model) and fsdp.world_size() > 1
+        on_cache = shared and not checkpointing and not several_ranks
         if packed or (shared and not on_cache and unpackable(model) is None):
             return _packed_hidden(model, original, prompt_index if shared else None, captured)
         # On CPU, transformers' sdpa copies every key/value head num_key_value_groups times whenever a mask is

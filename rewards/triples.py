@@ -131,7 +131,7 @@ class ModelTripleExtractor:
     The model answers `head | relation | tail` or `NONE`; the first valid triple line of its output is taken
     (parse_triple; the corpus paper's extractor also takes the first valid triple), else None. An exception
     inside generate_fn propagates: a failing extractor must not look like a sentence without facts.
-    launch.triples builds generate_fn from a local causal LM (greedy decoding).
+    launch.reward_pool builds generate_fn from a local causal LM (greedy decoding).
     """
 
     def __init__(self, generate_fn: Callable[[str], str], template: str | None = None) -> None:

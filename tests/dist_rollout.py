@@ -54,7 +54,7 @@ def build_engines(names: list[str], model_dir: Path, tokenizer) -> dict:
     if "vllm" in names:
         import torch.distributed as dist
 
-        from launch.engines import vllm_engine
+        from bench.gpu_common import vllm_engine
 
         engines["vllm"] = vllm_engine(model_dir, "rollout.max_model_len=512", world_size=dist.get_world_size(),
                                       dp_rank=dist.get_rank())  # each rank its own replica

@@ -36,24 +36,20 @@ def pause_in_save(seconds: float) -> None:
 
 
 def stall_sync_at(call: int) -> None:
-    """Make the run's weight sync (whatever launch.build builds for the engine) hang forever on its call-th call."""
-    import launch.build as build
+    """Make the run's weight sync into its engine (grpo.groups.LocalRollout.sync_weights) hang forever on its
+    call-th call."""
+    from grpo.groups import LocalRollout
 
-    original, calls = build.build_engine, [0]
+    original, calls = LocalRollout.sync_weights, [0]
 
-    def build_engine(*args, **kwargs):
-        engine, sync = original(*args, **kwargs)
+    def stalling_sync(self):
+        calls[0] += 1
+        if calls[0] == call:
+            while True:
+                time.sleep(60)
+        return original(self)
 
-        def stalling_sync():
-            calls[0] += 1
-            if calls[0] == call:
-                while True:
-                    time.sleep(60)
-            return sync() if sync is not None else {}
-
-        return engine, stalling_sync
-
-    build.build_engine = build_engine
+    LocalRollout.sync_weights = stalling_sync
 
 
 def file_size_limit_after_saves(saves: int, limit_bytes: int) -> None:

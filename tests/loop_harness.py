@@ -5,12 +5,13 @@ process) and tests/dist_invariance.py (2 ranks under torchrun), so both sides bu
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 
 import torch
 
-from grpo.parts import Policy
+from grpo.trainer import Policy
 from rollout.engine import Completion
 
 
@@ -37,12 +38,16 @@ class ScriptedEngine:
     def wake(self, tags=("weights", "kv_cache")):
         pass
 
+    def update_weights(self, named_tensors):
+        for _ in named_tensors:  # consumed, as the sync's sender expects (gathering FSDP shards is a collective)
+            pass
+
     def close(self):
         pass
 
 
 class MemoryLog:
-    """grpo.parts.Log that keeps each step's metrics (and warnings) in lists."""
+    """grpo.trainer.Log that keeps each step's metrics (and warnings) in lists."""
 
     def __init__(self):
         self.steps, self.warnings = [], []
@@ -61,7 +66,7 @@ class MemoryLog:
 
 
 class NoCheckpoints:
-    """grpo.parts.Checkpoints that never stops early and writes nothing."""
+    """grpo.trainer.Checkpoints that never stops early and writes nothing."""
     start_step = 0
 
     def end_step(self, done):
@@ -83,8 +88,11 @@ def sgd_policy(policy: Policy, lr: float) -> Policy:
 
 
 def scripted_parts(parts, engine, *, lr: float, log=None):
-    """parts with the scripted engine, SGD at `lr`, an in-memory log and no checkpoints."""
-    return dataclasses.replace(parts, engine=engine, policy=sgd_policy(parts.policy, lr), log=log or MemoryLog(),
+    """parts with the scripted engine (in a copy of its LocalRollout), SGD at `lr`, an in-memory log and no
+    checkpoints."""
+    rollout = copy.copy(parts.rollout)
+    rollout.engine = engine
+    return dataclasses.replace(parts, rollout=rollout, policy=sgd_policy(parts.policy, lr), log=log or MemoryLog(),
                                checkpoints=NoCheckpoints())
 
 
@@ -157,13 +165,13 @@ def run_case(overrides: list[str], dist) -> tuple[dict, list]:
     train_rl; returns (the full state dict: a collective, every rank calls it; the logged metrics)."""
     from grpo.trainer import train_rl
     from launch.build import build
-    from launch.config import load_config
+    from launch.recipe import load_config
     from models import fsdp
 
     cfg = load_config(None, overrides)
     built = build(cfg, dist)
     tokenizer = _tokenizer(str(cfg.model.name_or_path))
-    index_of = {tuple(ids): i for i, ids in enumerate(built.parts.prompt_ids)}
+    index_of = {tuple(ids): i for i, ids in enumerate(built.parts.rollout.prompt_ids)}
 
     def script(prompt):
         texts = texts_for(index_of[tuple(prompt)], cfg.rollout.n)

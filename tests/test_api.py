@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from launch.api import train
-from launch.config import ConfigError
+from grpo.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "# README example (tests/test_api.py runs this block)"

@@ -112,7 +112,7 @@ def test_cooccurrence_quick(tmp_path):
 
 def test_vs_trl_settings_match_on_both_sides(tmp_path):
     from bench.vs_trl import fairness_settings
-    from launch.config import load_config
+    from launch.recipe import load_config
 
     settings = fairness_settings(prompts=2, group=4, new_tokens=32, lr=1e-6, steps=3, seed=0, threads=2)
     trl = settings["trl"]
@@ -134,7 +134,7 @@ def test_vs_trl_settings_match_on_both_sides(tmp_path):
 
 def test_vs_trl_bf16_is_bf16_over_fp32_master_weights_on_both_sides(tmp_path):
     from bench.vs_trl import fairness_settings
-    from launch.config import load_config
+    from launch.recipe import load_config
 
     settings = fairness_settings(prompts=2, group=4, new_tokens=32, lr=1e-6, steps=3, seed=0, threads=2,
                                  precision="bf16")
@@ -149,9 +149,9 @@ def test_vs_trl_bf16_is_bf16_over_fp32_master_weights_on_both_sides(tmp_path):
                                                               ("system", False, False)])
 def test_vs_trl_allocator_settings(tmp_path, allocator, ours_keeps, trl_keeps):
     """--allocator decides which side keeps freed memory: ours through its config, TRL through glibc's
-    environment variables (the same two settings launch/allocator.py makes with mallopt)."""
+    environment variables (the same two settings launch/dist.py makes with mallopt)."""
     from bench.vs_trl import fairness_settings
-    from launch.config import load_config
+    from launch.recipe import load_config
 
     settings = fairness_settings(prompts=2, group=4, new_tokens=32, lr=1e-6, steps=3, seed=0, threads=2,
                                  allocator=allocator)

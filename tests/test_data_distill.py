@@ -173,7 +173,7 @@ def test_cli_end_to_end_on_the_embedded_model(tmp_path):
 def test_verifier_sft_recipe_trains_on_distilled_rows_with_the_embedded_model(tmp_path):
     # SFT -> DAPO from shipped recipes: the distilled rows feed verifier_sft.yaml (one step here, on the
     # embedded SmolLM2-135M); verifier_dapo.yaml's init_from is that run's final checkpoint (test_recipes runs it).
-    from launch.config import load_config
+    from launch.recipe import load_config
     from launch.dist import DistInfo
     from launch.train import run
     from models import load_tokenizer

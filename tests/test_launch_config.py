@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from grpo.config import Range
-from launch.schema import Config
-from launch.config import ConfigError, load_config
+from grpo.config import Config
+from grpo.config import ConfigError
+from launch.recipe import load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "launch" / "configs"
 
@@ -20,10 +21,10 @@ CONFIGS = Path(__file__).resolve().parents[1] / "launch" / "configs"
 def test_every_recipe_parses(recipe):
     import dataclasses
 
-    from launch.preflight import _check_settings
+    from grpo.config import check
     cfg = load_config(CONFIGS / recipe)
     assert isinstance(cfg, Config) and cfg.stage in ("rl", "sft")
-    _check_settings(dataclasses.replace(cfg, init_from=None))  # its settings agree with each other (files aside)
+    check(dataclasses.replace(cfg, init_from=None))  # its settings agree with each other (files aside)
 
 
 def test_overrides_apply_and_coerce():

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.config import ConfigError, load_config
+from grpo.config import ConfigError
+from launch.recipe import load_config
 from launch.plan import CUDA_VLLM_CYCLE, Target, check_plan, run_plan, tp_groups
 
 CONFIGS = Path(__file__).resolve().parents[1] / "launch" / "configs"
@@ -71,7 +72,8 @@ def test_veriseek_on_two_gpus_gets_the_gpu_plan():
     assert (policy["param"], policy["compute"], policy["reduce"]) == ("float32", "bfloat16", "float32")
     assert (reference["param"], reference["compute"]) == ("bfloat16", "bfloat16")  # frozen: no master copy
     assert plan["precision"]["logits"] == "float32" and plan["attention"] == "flash_attention_2"
-    assert plan["logprob_pass"].startswith("update: packed, prompts shared")  # gradient checkpointing is on
+    # Two ranks: one forward per pass on every rank (whether a micro-batch repeats a prompt differs between them).
+    assert plan["logprob_pass"].startswith("packed where rows share a prompt")
     assert plan["tp_groups"] == [[0], [1]]
 
 
@@ -158,7 +160,7 @@ def test_the_run_builds_what_the_plan_says(tmp_path, tiny_model_dir):
                              f"trainer.out_dir={tmp_path / 'runs'}"])
     built = build(cfg, DistInfo())
     try:
-        policy, engine = built.parts.policy.model, built.engine
+        policy, engine = built.parts.policy.model, built.parts.rollout.engine
         assert all(p.dtype == torch.float32 for p in policy.parameters())  # master weights
         outputs = []
         layer = policy.model.layers[0].self_attn.q_proj
@@ -166,7 +168,7 @@ def test_the_run_builds_what_the_plan_says(tmp_path, tiny_model_dir):
         policy(input_ids=torch.tensor([[1, 2, 3]]))
         handle.remove()
         assert outputs == [torch.bfloat16]  # products in the compute dtype
-        assert all(p.dtype == torch.bfloat16 for p in built.parts.reference_logprobs.model.parameters())
+        assert all(p.dtype == torch.bfloat16 for p in built.parts.reference.parameters())
         assert not engine.shared and engine.model.dtype == torch.bfloat16
         assert policy.config._attn_implementation == attention(cfg, Target.here()) == "sdpa"
     finally:

@@ -7,9 +7,8 @@ import math
 import pytest
 import torch
 
-from data.sampler import PromptSampler
-from grpo.evaluate import evaluate, evaluation_due, greedy_completions, summarize
-from grpo.groups import collect_groups
+from grpo.evaluate import evaluate, greedy_completions, held_out_due, summarize
+from grpo.groups import LocalRollout, PromptSampler
 from grpo.metrics import NoSignalWatch, reduce_metrics, step_metrics
 from grpo.scoring import Scorer, correctness, format_success
 from grpo.stats import mean_interval, paired_difference, t_quantile
@@ -47,14 +46,18 @@ PROMPT_IDS = [[i] for i in range(4)]  # prompt i is the one token i: the script 
 SCORER = Scorer(reward, decode_prefixes=lambda ids: ["".join(map(chr, ids[:k])) for k in range(len(ids) + 1)])
 
 
-def sampler_in_order():
-    return PromptSampler(4, seed=0, shuffle=False)
+def collect(engine, scorer=SCORER, *, seed: int, dynamic: bool = False, rounds: int = 1):
+    """One batch of 2 prompts x G=2 from a LocalRollout reading the rows in order (a one-process DistInfo)."""
+    from launch.dist import DistInfo
+    from launch.recipe import load_config
+    cfg = load_config(None, ["rollout.n=2", "trainer.prompts_per_step=2", "data.shuffle=false", "rollout.max_new_tokens=4",
+                             f"algorithm.dynamic_sampling={dynamic}", f"algorithm.max_gen_batches={rounds}"])
+    return LocalRollout(cfg, engine, scorer, DistInfo(), rows=ROWS, prompt_ids=PROMPT_IDS).collect_shares(seed, 1)[0]
 
 
 def test_collect_groups_without_dynamic_sampling_keeps_every_group_in_prompt_order():
     engine = ScriptedEngine({(0, 0): ["y.", "n."], (1, 0): ["nn", "nnn"]})
-    batch = collect_groups(engine, sampler_in_order(), ROWS, PROMPT_IDS, SCORER, num_prompts=2, group_size=2,
-                           sampling={"max_new_tokens": 4}, seed=11)
+    batch = collect(engine, seed=11)
     assert [c.text for c in batch.completions] == ["y.", "n.", "nn", "nnn"]
     assert [r["extra_info"]["index"] for r in batch.rows] == [0, 0, 1, 1]
     assert batch.rewards.tolist() == [1.0, 0.0, 0.0, 0.0] and batch.correct.tolist() == [1.0, 0.0, 0.0, 0.0]
@@ -68,14 +71,12 @@ def test_collect_groups_without_dynamic_sampling_keeps_every_group_in_prompt_ord
 def test_dynamic_sampling_generates_until_full_then_fills_with_zero_weight_groups():
     # Round 0: prompt 0 informative, prompt 1 flat. Round 1 (its own seed): prompt 2 flat, prompt 3 informative.
     script = {(0, 0): ["y", "n"], (1, 0): ["n", "n"], (2, 1): ["y", "y"], (3, 1): ["n", "y"]}
-    batch = collect_groups(ScriptedEngine(script), sampler_in_order(), ROWS, PROMPT_IDS, SCORER, num_prompts=2,
-                           group_size=2, sampling={}, seed=5, dynamic_sampling=True, max_rounds=3)
+    batch = collect(ScriptedEngine(script), seed=5, dynamic=True, rounds=3)
     assert [r["extra_info"]["index"] for r in batch.rows] == [0, 0, 3, 3]  # the two informative groups
     assert batch.loss_weight.tolist() == [1.0] * 4 and (batch.rounds, batch.generated_groups) == (2, 4)
     # One round allowed: a single informative group, the batch filled with a dropped one that must not train.
     engine = ScriptedEngine(script)
-    batch = collect_groups(engine, sampler_in_order(), ROWS, PROMPT_IDS, SCORER, num_prompts=2, group_size=2,
-                           sampling={}, seed=5, dynamic_sampling=True, max_rounds=1)
+    batch = collect(engine, seed=5, dynamic=True, rounds=1)
     assert [r["extra_info"]["index"] for r in batch.rows] == [0, 0, 1, 1]
     assert batch.loss_weight.tolist() == [1.0, 1.0, 0.0, 0.0]
     assert batch.mask[2:].sum() == 0 and batch.mask[:2].sum() == 2
@@ -88,8 +89,7 @@ def test_sentence_shaping_is_one_padded_tensor_across_groups_of_different_widths
 
     scorer = Scorer(with_sentences, SCORER.decode_prefixes, sentence_coef=2.0)
     engine = ScriptedEngine({(0, 0): ["abc", "ab"], (1, 0): ["abcde", "a"]})
-    batch = collect_groups(engine, sampler_in_order(), ROWS, PROMPT_IDS, scorer, num_prompts=2, group_size=2,
-                           sampling={}, seed=0)
+    batch = collect(engine, scorer, seed=0)
     expected = [[0.2, 0.2, -0.6, 0, 0], [0.2, 0.2, 0, 0, 0], [0.2, 0.2, -0.6, -0.6, -0.6], [0.2, 0, 0, 0, 0]]
     assert torch.allclose(batch.token_shaping, torch.tensor(expected), atol=1e-7)
 
@@ -121,8 +121,7 @@ def test_scoring_correctness_order_format_and_failures():
 
 def test_step_metrics_and_their_reduction_over_ranks():
     engine = ScriptedEngine({(0, 0): ["y.", "n."], (1, 0): ["nn", "nnn"]})
-    batch = collect_groups(engine, sampler_in_order(), ROWS, PROMPT_IDS, SCORER, num_prompts=2, group_size=2,
-                           sampling={}, seed=0)
+    batch = collect(engine, seed=0)
     updates = [{"ratio_mean": 1.0, "ratio_max": 1.5, "tokens": 4.0, "entropy": 2.0},
                {"ratio_mean": 1.2, "ratio_max": 2.0, "tokens": 5.0, "entropy": float("nan")}]
     metrics = step_metrics(batch, batch.rewards, 2, updates, {"rollout_reward": 1.0, "update": 1.0}, grad_norm=0.5,
@@ -159,8 +158,9 @@ def test_step_metrics_and_their_reduction_over_ranks():
 
 
 def test_no_signal_warnings_need_a_streak():
-    from grpo.parts import Watch
-    watch = NoSignalWatch(Watch(truncation=0.5, flat_groups=0.9, after_steps=2), kl_coef=0.0)
+    from launch.recipe import load_config
+    watch = NoSignalWatch(load_config(None, ["trainer.warn_truncation=0.5", "trainer.warn_flat_groups=0.9",
+                                             "trainer.warn_after_steps=2", "algorithm.kl_coef=0.0"]))
     assert watch.update({"flat_group_frac": 1.0, "truncation_rate": 0.0}, 1) == [
         "step 1: zero learning signal -- every group's rewards are identical"]
     second = watch.update({"flat_group_frac": 1.0, "truncation_rate": 0.6}, 2)
@@ -192,8 +192,9 @@ def test_evaluate_scores_greedily_in_prompt_order_with_intervals():
     assert flat["eval/reward"] == 0.75 and flat["eval/count"] == 4.0 and flat["eval/acc_high"] == high
     assert [c.text for c in greedy_completions(engine, prompt_ids, max_new_tokens=4, batch_size=4)] == \
         ["y.", "n.", "y", "yy."]
-    assert [d for d in range(8) if evaluation_due(d, 3, 7)] == [0, 3, 6, 7]
-    assert not any(evaluation_due(d, 0, 7) for d in range(8))
+    from grpo.config import TrainerConfig
+    assert [d for d in range(8) if held_out_due(d, 0, TrainerConfig(steps=7, eval_every=3))] == [0, 3, 6, 7]
+    assert [d for d in range(8) if held_out_due(d, 0, TrainerConfig(steps=7, eval_every=0))] == [0, 7]
 
 
 def test_statistics_on_fixed_numbers():

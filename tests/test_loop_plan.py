@@ -1,9 +1,9 @@
-"""grpo.plan: how a rollout batch is cut into mini-batches (optimizer steps) and micro-batches (passes), with
+"""grpo.update's plan: how a rollout batch is cut into mini-batches (optimizer steps) and micro-batches (passes), with
 each mini-batch's denominator; and that every rank agrees on the number of passes."""
 import pytest
 import torch
 
-from grpo.plan import mini_batch_denominators, mini_batches, micro_batches
+from grpo.update import mini_batch_denominators, mini_batches, micro_batches
 
 
 def test_mini_batches_are_whole_consecutive_groups():

@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from launch.config import ConfigError, load_config
+from grpo.config import ConfigError, check, startup_warnings
 from launch.dist import DistInfo
-from launch.preflight import _check_settings, startup_warnings
+from launch.recipe import load_config
 from launch.train import run
 
 REWARD = "tests_vowels"
@@ -56,10 +56,10 @@ def test_gspo_refuses_any_aggregation_but_its_sequence_mean():
     # The default agg (token-mean) weights each sequence by its length: another objective than GSPO's.
     with pytest.raises(ConfigError, match=r"algorithm\.ratio_level=sequence \(GSPO\) with algorithm\.agg=token-mean"
                                           r".*set algorithm\.agg=seq-mean-token-mean"):
-        _check_settings(load_config(None, gspo))
+        check(load_config(None, gspo))
     with pytest.raises(ConfigError, match=r"algorithm\.agg=seq-mean-token-sum-norm"):
-        _check_settings(load_config(None, gspo + ["algorithm.agg=seq-mean-token-sum-norm"]))
-    _check_settings(load_config(None, gspo + ["algorithm.agg=seq-mean-token-mean"]))
+        check(load_config(None, gspo + ["algorithm.agg=seq-mean-token-sum-norm"]))
+    check(load_config(None, gspo + ["algorithm.agg=seq-mean-token-mean"]))
 
 
 def test_old_logprobs_are_taken_without_dropout(tmp_path, tiny_model_dir):
@@ -124,15 +124,15 @@ def test_ppo_mini_batch_size_counts_prompts_over_all_ranks():
     # verl's ppo_mini_batch_size: prompts per optimizer step over all ranks; trainer.prompts_per_step is per rank.
     cfg = load_config(None, ["trainer.prompts_per_step=2", "rollout.n=4", "trainer.micro_batch_size=4",
                              "algorithm.ppo_mini_batch_size=2"])
-    _check_settings(cfg, world_size=1)  # 1 rank: one mini-batch of its 2 prompts
-    _check_settings(cfg, world_size=2)  # 2 ranks: 1 prompt per rank per mini-batch, 2 mini-batches
+    check(cfg, world_size=1)  # 1 rank: one mini-batch of its 2 prompts
+    check(cfg, world_size=2)  # 2 ranks: 1 prompt per rank per mini-batch, 2 mini-batches
     with pytest.raises(ConfigError, match=r"algorithm\.ppo_mini_batch_size=2 \(prompts per optimizer step over all "
                                           r"8 ranks, as in verl\) must be a multiple of the world size 8"):
-        _check_settings(cfg, world_size=8)
+        check(cfg, world_size=8)
     big = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, ppo_mini_batch_size=256))
     with pytest.raises(ConfigError, match=r"ppo_mini_batch_size=256 .* divides trainer\.prompts_per_step=2 .* "
                                           r"e\.g\. 16 for one optimizer step"):
-        _check_settings(big, world_size=8)  # a verl value pasted in: 32 per rank, but only 2 prompts per rank
+        check(big, world_size=8)  # a verl value pasted in: 32 per rank, but only 2 prompts per rank
 
 
 def test_top_p_without_truncated_is_warns_with_the_expected_gap(tmp_path, tiny_model_dir, capsys):
@@ -155,7 +155,7 @@ def test_outcome_only_estimators_refuse_sentence_rewards_at_start_up():
     for estimator in ("rloo", "reinforce_pp"):
         with pytest.raises(ConfigError, match=rf"algorithm\.adv_estimator={estimator} is defined for outcome "
                                               r"rewards only; set reward\.sentence_coef=0"):
-            _check_settings(load_config(None, [f"algorithm.adv_estimator={estimator}"]))
-        _check_settings(load_config(None, [f"algorithm.adv_estimator={estimator}", "reward.sentence_coef=0"]))
+            check(load_config(None, [f"algorithm.adv_estimator={estimator}"]))
+        check(load_config(None, [f"algorithm.adv_estimator={estimator}", "reward.sentence_coef=0"]))
     with pytest.raises(ConfigError, match=r"algorithm\.policy_loss=cispo .* no algorithm\.dual_clip \(3\.0\)"):
-        _check_settings(load_config(None, ["algorithm.policy_loss=cispo", "algorithm.dual_clip=3"]))
+        check(load_config(None, ["algorithm.policy_loss=cispo", "algorithm.dual_clip=3"]))

@@ -6,13 +6,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from data.sampler import PromptSampler
-from grpo.parts import Policy, RLParts
+from grpo.groups import LocalRollout
 from grpo.scoring import Scorer
-from grpo.trainer import train_rl
-from launch.build import rl_spec
-from launch.config import load_config
+from grpo.trainer import Parts, Policy, train_rl
 from launch.dist import DistInfo
+from launch.recipe import load_config
 from loop_harness import MemoryLog, NoCheckpoints, ScriptedEngine, sgd_policy
 
 LETTERS = "abc"  # the vocabulary: token v is the letter LETTERS[v]
@@ -64,17 +62,15 @@ def run_update(*overrides, answers=ANSWERS, optimizer_steps=None) -> tuple[torch
     optimizer_steps: a list that gets one entry per optimizer step taken."""
     cfg = load_config(None, ["rollout.n=2", "rollout.max_new_tokens=2", "trainer.prompts_per_step=2",
                              "trainer.steps=1", "algorithm.adv_estimator=dr_grpo", "algorithm.clip_low=0.2",
-                             "algorithm.clip_high=0.2", "algorithm.agg=token-mean", *overrides])
+                             "algorithm.clip_high=0.2", "algorithm.agg=token-mean", "data.shuffle=false", *overrides])
     model = ConstantPolicy([0.0, 0.0, 0.0])
     engine = ScriptedEngine(lambda prompt: [([LETTERS.index(c) for c in text], text) for text in answers[prompt[0]]])
     decode = lambda ids: ["".join(LETTERS[i] for i in ids[:k]) for k in range(len(ids) + 1)]  # noqa: E731
     placeholder = torch.optim.SGD(model.parameters(), lr=0.0)
     log = MemoryLog()
-    parts = RLParts(spec=rl_spec(cfg, 1, None), policy=sgd_policy(Policy(model, placeholder, None), lr=1.0),
-                    engine=engine,
-                    sync_weights=lambda: {}, reference_logprobs=None, rows=ROWS, prompt_ids=[[0], [1]],
-                    sampler=PromptSampler(2, seed=0, shuffle=False), scorer=Scorer(exact_match, decode), pad_id=0,
-                    log=log, checkpoints=NoCheckpoints())
+    rollout = LocalRollout(cfg, engine, Scorer(exact_match, decode), DistInfo(), rows=ROWS, prompt_ids=[[0], [1]])
+    parts = Parts(cfg=cfg, policy=sgd_policy(Policy(model, placeholder, None), lr=1.0), rollout=rollout, log=log,
+                  checkpoints=NoCheckpoints(), pad_id=0)
     if optimizer_steps is not None:
         step = parts.policy.optimizer.step
         parts.policy.optimizer.step = lambda *args, **kwargs: (optimizer_steps.append(1), step(*args, **kwargs))[1]

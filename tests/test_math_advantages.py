@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from grpo.advantages import batch_moments, completion_returns, group_advantages, moments_std, shaped_advantages
+from grpo.advantages import batch_moments, completion_returns, group_advantages, moments_std
 
 REWARDS = [1, 0, 1, 1, 1, 1, 1, 1, 0.5, 0, 1, 0.2]
 
@@ -65,16 +65,18 @@ def test_batch_moments_leave_out_zero_weight_rows_and_feed_shaped_advantages():
     values = torch.tensor([1.0, 0.0, 5.0, 9.0])
     assert batch_moments(values, torch.tensor([1.0, 1.0, 0.0, 0.0])).tolist() == [2.0, 1.0, 1.0]
     assert moments_std(torch.tensor([1.0, 3.0, 9.0], dtype=torch.float64)).item() == 0.0  # one value: no spread
-    # shaped_advantages' statistics are over completion_returns; a given batch_std replaces the local one.
+    # group_advantages' statistics (with shaping) are over completion_returns; a given batch_std replaces the local one.
     shaping = torch.tensor([[0.2, 0.0, 0.0], [0.0, 0.0, 0.0], [0.1, 0.1, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 0, 0]], dtype=torch.float64)
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.5], dtype=torch.float64)
     means = completion_returns(rewards, shaping, mask)  # [1 + .1, 0, .5 + .2/3, .5]
     torch.testing.assert_close(means, torch.tensor([1.1, 0.0, 0.5 + 0.2 / 3, 0.5], dtype=torch.float64))
-    local = shaped_advantages(rewards, shaping, mask, 2, scale="batch")
-    given = shaped_advantages(rewards, shaping, mask, 2, scale="batch", batch_std=moments_std(batch_moments(means)))
+    local = group_advantages(rewards, 2, token_shaping=shaping, mask=mask, scale="batch")
+    given = group_advantages(rewards, 2, token_shaping=shaping, mask=mask, scale="batch",
+                             batch_std=moments_std(batch_moments(means)))
     torch.testing.assert_close(given, local, rtol=0, atol=1e-15)
-    halved = shaped_advantages(rewards, shaping, mask, 2, scale="batch", batch_std=2 * means.std() + 1e-6)
+    halved = group_advantages(rewards, 2, token_shaping=shaping, mask=mask, scale="batch",
+                              batch_std=2 * means.std() + 1e-6)
     torch.testing.assert_close(halved, local / 2, rtol=1e-6, atol=0)
 
 
@@ -131,7 +133,7 @@ def test_shaped_reference_numbers():
     rewards = torch.tensor([1.0, 0.0], dtype=torch.float64)
     shaping = torch.tensor([[0.1, 0.1, 0.0], [-0.3, 0.0, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.float64)
-    out = shaped_advantages(rewards, shaping, mask, 2)
+    out = group_advantages(rewards, 2, token_shaping=shaping, mask=mask)
     mu, sigma = (3.2 / 3 - 0.15) / 2, (3.2 / 3 + 0.15) / math.sqrt(2)
     expected = torch.tensor([[1.1 - mu, 1.1 - mu, 1.0 - mu], [-0.3 - mu, 0.0 - mu, 0.0]], dtype=torch.float64)
     expected[:, :] /= sigma + 1e-6
@@ -143,7 +145,7 @@ def test_shaped_with_zero_shaping_equals_group_advantages():
     rewards = torch.tensor(REWARDS)
     mask = (torch.rand(12, 7, generator=torch.Generator().manual_seed(2)) > 0.3).float()
     for scale in ("group", "batch", "none"):
-        out = shaped_advantages(rewards, torch.zeros(12, 7), mask, 4, scale=scale)
+        out = group_advantages(rewards, 4, token_shaping=torch.zeros(12, 7), mask=mask, scale=scale)
         expected = group_advantages(rewards, 4, scale=scale)[:, None] * mask
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
@@ -153,19 +155,20 @@ def test_shaped_flat_means_stay_unscaled():
     # +-1e5. The group is left unscaled: advantages are G_i(t) - mu = +-0.1.
     rewards = torch.tensor([1.0, 1.0], dtype=torch.float64)
     shaping = torch.tensor([[0.1, -0.1], [0.0, 0.0]], dtype=torch.float64)
-    out = shaped_advantages(rewards, shaping, torch.ones(2, 2, dtype=torch.float64), 2)
+    out = group_advantages(rewards, 2, token_shaping=shaping, mask=torch.ones(2, 2, dtype=torch.float64))
     torch.testing.assert_close(out, torch.tensor([[0.1, -0.1], [0.0, 0.0]], dtype=torch.float64), rtol=0, atol=1e-15)
-    flat = shaped_advantages(torch.full((4,), 0.7), torch.zeros(4, 3), torch.ones(4, 3), 4)
+    flat = group_advantages(torch.full((4,), 0.7), 4, token_shaping=torch.zeros(4, 3), mask=torch.ones(4, 3))
     assert (flat == 0).all()
 
 
 def test_shaped_all_padding_row_is_finite():
-    out = shaped_advantages(torch.tensor([1.0, 0.0]), torch.zeros(2, 3), torch.tensor([[1.0, 1, 1], [0, 0, 0]]), 2)
+    out = group_advantages(torch.tensor([1.0, 0.0]), 2, token_shaping=torch.zeros(2, 3),
+                           mask=torch.tensor([[1.0, 1, 1], [0, 0, 0]]))
     assert torch.isfinite(out).all() and (out[1] == 0).all()
 
 
 def test_shaped_bad_shapes():
     with pytest.raises(ValueError, match=r"token_shaping has shape \(2, 3\) but mask has shape \(2, 4\)"):
-        shaped_advantages(torch.ones(2), torch.zeros(2, 3), torch.ones(2, 4), 2)
+        group_advantages(torch.ones(2), 2, token_shaping=torch.zeros(2, 3), mask=torch.ones(2, 4))
     with pytest.raises(ValueError, match=r"rewards has shape \(4,\)"):
-        shaped_advantages(torch.ones(4), torch.zeros(2, 3), torch.ones(2, 3), 2)
+        group_advantages(torch.ones(4), 2, token_shaping=torch.zeros(2, 3), mask=torch.ones(2, 3))

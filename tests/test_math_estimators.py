@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from grpo.advantages import (ESTIMATOR_NAMES, ESTIMATORS, batch_moments, completion_returns, compute_advantages,
-                             moments_std, register_estimator, shaped_advantages)
+from grpo.advantages import (ESTIMATORS, batch_moments, completion_returns, compute_advantages, group_advantages,
+                             moments_std, register_estimator)
 
 F64 = dict(dtype=torch.float64)
 
@@ -31,8 +31,8 @@ def _batch(seed: int, prompts: int = 4, group_size: int = 4, tokens: int = 6, dt
 
 
 def test_registry_names_and_kinds():
-    assert ESTIMATOR_NAMES == ("grpo", "dr_grpo", "batch_std", "rloo", "reinforce_pp")
-    assert [name for name in ESTIMATOR_NAMES if ESTIMATORS[name].token_returns] == ["grpo", "dr_grpo", "batch_std"]
+    assert tuple(ESTIMATORS) == ("grpo", "dr_grpo", "batch_std", "rloo", "reinforce_pp")
+    assert [name for name in tuple(ESTIMATORS) if ESTIMATORS[name].token_returns] == ["grpo", "dr_grpo", "batch_std"]
     with pytest.raises(ValueError, match="'grpo' is already registered"):
         register_estimator("grpo", token_returns=True)(lambda *args, **kwargs: None)
     with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'; valid: grpo, dr_grpo, batch_std, rloo"):
@@ -119,9 +119,10 @@ def test_token_return_estimators_equal_the_calls_they_replace():
     mask[12:] = 0
     for estimator, scale in (("grpo", "group"), ("dr_grpo", "none")):
         out = compute_advantages(estimator, rewards, shaping, mask, 4, eps=1e-6, weights=weights)
-        assert torch.equal(out, shaped_advantages(rewards, shaping, mask, 4, scale=scale, eps=1e-6))
+        assert torch.equal(out, group_advantages(rewards, 4, token_shaping=shaping, mask=mask, scale=scale, eps=1e-6))
     batch_std = moments_std(batch_moments(completion_returns(rewards, shaping, mask), weights))
-    before = shaped_advantages(rewards, shaping, mask, 4, scale="batch", eps=1e-6, batch_std=batch_std)
+    before = group_advantages(rewards, 4, token_shaping=shaping, mask=mask, scale="batch", eps=1e-6,
+                              batch_std=batch_std)
     out = compute_advantages("batch_std", rewards, shaping, mask, 4, eps=1e-6, weights=weights)
     assert torch.equal(out, before)
 
@@ -162,7 +163,7 @@ def test_two_ranks_equal_one_process(estimator):
                        compute_advantages(estimator, dyadic, zero, mask, 4))
 
 
-@pytest.mark.parametrize("estimator", ESTIMATOR_NAMES)
+@pytest.mark.parametrize("estimator", tuple(ESTIMATORS))
 def test_collectives_are_called_once_by_batch_estimators_only(estimator):
     rewards, _, mask = _batch(seed=8)
     calls = []
@@ -200,7 +201,7 @@ def test_outcome_estimators_refuse_token_returns():
         assert torch.isfinite(compute_advantages(estimator, rewards, shaping, mask, 4)).all()
 
 
-@pytest.mark.parametrize("estimator", ESTIMATOR_NAMES)
+@pytest.mark.parametrize("estimator", tuple(ESTIMATORS))
 def test_every_estimator_is_zero_on_padding_and_checks_its_input(estimator):
     rewards, _, mask = _batch(seed=10)
     out = compute_advantages(estimator, rewards, torch.zeros_like(mask), mask, 4)

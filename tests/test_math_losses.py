@@ -5,11 +5,10 @@ import math
 import pytest
 import torch
 
-from grpo.filters import keep_groups
-from grpo.advantages import group_advantages
-from grpo.losses import (AGGREGATION, AGGREGATIONS, LossSpec, aggregate, kl_penalty, loss_denominator, policy_loss,
-                         sequence_log_ratio, truncated_is_weights)
-from grpo.shaping import kl_reward_penalty, overlong_penalty
+from grpo.advantages import group_advantages, keep_groups, kl_reward_penalty, overlong_penalty
+from grpo.config import AGGREGATIONS, AlgorithmConfig, ConfigError
+from grpo.losses import (AGGREGATION, aggregate, kl_penalty, loss_denominator, policy_loss, sequence_log_ratio,
+                         truncated_is_weights)
 
 F64 = dict(dtype=torch.float64)
 MASK = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], **F64)
@@ -25,17 +24,17 @@ def test_policy_loss_reference_numbers():
     # max(.5r, .5 clip(r)) = .4, .452419, .5, .674929, 2.027600; dual clip 3 caps at .5*3 = 1.5 (sum 3.527348).
     # token-mean: (-3.606572 + 3.527348)/8 ; seq-mean-token-mean: (-3.606572/3 + 3.527348/5)/2.
     kwargs = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0)
-    loss, metrics = policy_loss(NEW, OLD, ADV, MASK, LossSpec(agg="token-mean", **kwargs))
+    loss, metrics = policy_loss(NEW, OLD, ADV, MASK, AlgorithmConfig(agg="token-mean", **kwargs))
     assert loss.item() == pytest.approx(-0.0099031954, abs=1e-10)
-    loss, _ = policy_loss(NEW, OLD, ADV, MASK, LossSpec(agg="seq-mean-token-mean", **kwargs))
+    loss, _ = policy_loss(NEW, OLD, ADV, MASK, AlgorithmConfig(agg="seq-mean-token-mean", **kwargs))
     # The quoted reference value is -0.2483608001; the derivation above gives -0.24836080142 (the quoted 10-digit figure
     # is off by 1.3e-9), so pin our own derivation tightly and the quoted figure to 2e-9.
     assert loss.item() == pytest.approx(-0.24836080142, abs=1e-11)
     assert loss.item() == pytest.approx(-0.2483608001, abs=2e-9)
     # Symmetric clip 0.2: sequence 1 becomes -1.10517, -1.2, -1.2 (sum -3.505171).
-    loss, _ = policy_loss(NEW, OLD, ADV, MASK, LossSpec(clip_low=0.2, clip_high=0.2, dual_clip=3.0))
+    loss, _ = policy_loss(NEW, OLD, ADV, MASK, AlgorithmConfig(clip_low=0.2, clip_high=0.2, dual_clip=3.0))
     assert loss.item() == pytest.approx(0.0027721493, abs=1e-10)
-    loss, _ = policy_loss(NEW, OLD, ADV, MASK, LossSpec(clip_low=0.2, clip_high=0.2, dual_clip=3.0,
+    loss, _ = policy_loss(NEW, OLD, ADV, MASK, AlgorithmConfig(clip_low=0.2, clip_high=0.2, dual_clip=3.0,
                                                      agg="seq-mean-token-mean"))
     assert loss.item() == pytest.approx(-0.23146034173, abs=1e-11)  # quoted: -0.2314603405 (same rounding)
     assert loss.item() == pytest.approx(-0.2314603405, abs=2e-9)
@@ -49,17 +48,17 @@ def test_policy_loss_reference_numbers():
 
 def test_policy_loss_float32_matches_float64():
     loss32, _ = policy_loss(NEW.float(), OLD.float(), ADV.float(), MASK.float(),
-                            LossSpec(clip_high=0.28, dual_clip=3.0))
+                            AlgorithmConfig(clip_high=0.28, dual_clip=3.0))
     assert loss32.item() == pytest.approx(-0.0099031954, rel=1e-5)
 
 
 def test_sum_norm_reference():
     # Dr. GRPO at ratio 1 (new == old): token losses are -A: seq 1 sums 3 * -1 = -3, seq 2 sums 5 * .5 = 2.5;
     # (-3 + 2.5) / (2 sequences * max_len 10) = -0.025.
-    loss, _ = policy_loss(OLD, OLD, ADV, MASK, LossSpec(agg="seq-mean-token-sum-norm", max_len=10))
+    loss, _ = policy_loss(OLD, OLD, ADV, MASK, AlgorithmConfig(agg="seq-mean-token-sum-norm"), max_len=10)
     assert loss.item() == pytest.approx(-0.025, abs=1e-15)
     with pytest.raises(ValueError, match="max_len"):
-        policy_loss(OLD, OLD, ADV, MASK, LossSpec(agg="seq-mean-token-sum-norm"))
+        policy_loss(OLD, OLD, ADV, MASK, AlgorithmConfig(agg="seq-mean-token-sum-norm"))
 
 
 def test_on_policy_gradient_is_reinforce():
@@ -73,7 +72,7 @@ def test_on_policy_gradient_is_reinforce():
 
 def test_clipped_tokens_get_zero_gradient():
     logprobs = NEW.clone().requires_grad_(True)
-    loss, _ = policy_loss(logprobs, OLD, ADV, MASK, LossSpec(clip_high=0.28, dual_clip=3.0))
+    loss, _ = policy_loss(logprobs, OLD, ADV, MASK, AlgorithmConfig(clip_high=0.28, dual_clip=3.0))
     loss.backward()
     grad = logprobs.grad
     # Clipped: seq 1 token 3 (upper), seq 2 token 1 (lower), seq 2 token 5 (dual); padding too.
@@ -98,13 +97,15 @@ def _random_batch(seed: int, step: float):
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_micro_batches_with_global_denominator_equal_full_batch(agg):
     old, new, advantages, mask = _random_batch(seed=0, step=0.3)
-    spec = LossSpec(clip_high=0.28, dual_clip=3.0, agg=agg, max_len=7 if agg == "seq-mean-token-sum-norm" else None)
+    spec = AlgorithmConfig(clip_high=0.28, dual_clip=3.0, agg=agg)
+    max_len = 7 if agg == "seq-mean-token-sum-norm" else None
     full = new.clone().requires_grad_(True)
-    policy_loss(full, old, advantages, mask, spec)[0].backward()
+    policy_loss(full, old, advantages, mask, spec, max_len=max_len)[0].backward()
     micro = new.clone().requires_grad_(True)
     denominator = loss_denominator(mask, agg)
     for rows in (slice(0, 2), slice(2, 3), slice(3, 6)):
-        policy_loss(micro[rows], old[rows], advantages[rows], mask[rows], spec, denominator=denominator)[0].backward()
+        policy_loss(micro[rows], old[rows], advantages[rows], mask[rows], spec, denominator=denominator,
+                    max_len=max_len)[0].backward()
     torch.testing.assert_close(micro.grad, full.grad, rtol=0, atol=1e-15)
 
 
@@ -112,7 +113,7 @@ def test_all_padding_sequence_contributes_zero_and_no_nan():
     mask = torch.tensor([[1, 1, 0], [0, 0, 0]], **F64)
     for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
         loss, metrics = policy_loss(OLD[:, :3], OLD[:, :3], ADV, mask,
-                                    LossSpec(agg=agg, max_len=3 if agg == "seq-mean-token-sum-norm" else None))
+                                    AlgorithmConfig(agg=agg), max_len=3 if agg == "seq-mean-token-sum-norm" else None)
         assert torch.isfinite(loss) and all(torch.isfinite(v) for v in metrics.values())
     # Only sequence 1 counts: token-mean = 2 * -1 / 2 = -1.
     assert policy_loss(OLD[:, :3], OLD[:, :3], ADV, mask)[0].item() == -1.0
@@ -121,8 +122,8 @@ def test_all_padding_sequence_contributes_zero_and_no_nan():
 
 def test_is_weights_multiply_token_loss():
     weights = torch.full_like(MASK, 0.5)
-    plain, _ = policy_loss(NEW, OLD, ADV, MASK, LossSpec(clip_high=0.28, dual_clip=3.0))
-    weighted, _ = policy_loss(NEW, OLD, ADV, MASK, LossSpec(clip_high=0.28, dual_clip=3.0), is_weights=weights)
+    plain, _ = policy_loss(NEW, OLD, ADV, MASK, AlgorithmConfig(clip_high=0.28, dual_clip=3.0))
+    weighted, _ = policy_loss(NEW, OLD, ADV, MASK, AlgorithmConfig(clip_high=0.28, dual_clip=3.0), is_weights=weights)
     assert weighted.item() == pytest.approx(0.5 * plain.item(), abs=1e-15)
 
 
@@ -131,10 +132,10 @@ def test_policy_loss_bad_input():
         policy_loss(NEW, OLD[:, :4], ADV, MASK)
     with pytest.raises(ValueError, match=r"advantages has shape \(3,\)"):
         policy_loss(NEW, OLD, torch.ones(3, **F64), MASK)
-    with pytest.raises(ValueError, match="valid: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm"):
-        policy_loss(NEW, OLD, ADV, MASK, LossSpec(agg="mean"))
-    with pytest.raises(ValueError, match="dual_clip must be > 1"):
-        policy_loss(NEW, OLD, ADV, MASK, LossSpec(dual_clip=0.5))
+    with pytest.raises(ConfigError, match="is not one of token-mean, seq-mean-token-mean, seq-mean-token-sum-norm"):
+        policy_loss(NEW, OLD, ADV, MASK, AlgorithmConfig(agg="mean"))
+    with pytest.raises(ConfigError, match=r"algorithm\.dual_clip=0\.5 is out of range: it must be > 1"):
+        policy_loss(NEW, OLD, ADV, MASK, AlgorithmConfig(dual_clip=0.5))
     with pytest.raises(ValueError, match=r"logprobs must have 2 dimension\(s\), got shape \(5,\)"):
         policy_loss(NEW[0], OLD[0], ADV, MASK[0])
 
@@ -147,9 +148,9 @@ def test_gspo_reference_numbers():
     # seq-mean-token-mean: (-1.0004 + .6484650) / 2 = -.1759675; token-mean: (3 * -1.0004 + 5 * .6484650) / 8.
     logprobs = NEW.clone().requires_grad_(True)
     kwargs = dict(clip_low=3e-4, clip_high=4e-4, ratio_level="sequence")
-    loss, metrics = policy_loss(logprobs, OLD, ADV, MASK, LossSpec(agg="seq-mean-token-mean", **kwargs))
+    loss, metrics = policy_loss(logprobs, OLD, ADV, MASK, AlgorithmConfig(agg="seq-mean-token-mean", **kwargs))
     assert loss.item() == pytest.approx(-0.17596747833355703, abs=1e-12)
-    token_mean = policy_loss(NEW, OLD, ADV, MASK, LossSpec(**kwargs))[0]
+    token_mean = policy_loss(NEW, OLD, ADV, MASK, AlgorithmConfig(**kwargs))[0]
     assert token_mean.item() == pytest.approx(0.03014065208305372, abs=1e-12)
     assert metrics["clip_frac_upper"].item() == 3 / 8 and metrics["clip_frac_lower"].item() == 0.0
     assert metrics["ratio_max"].item() == pytest.approx(math.exp(0.26), abs=1e-12)
@@ -162,7 +163,7 @@ def test_gspo_reference_numbers():
     # A token-level clip range with a sequence ratio: 0.2 / 0.28 clips neither sequence here; seq 1 now gets
     # -s1 / 3 / 2 = -.2104671 per token, and the loss is (-1.2628023 + .6484650) / 2 = -.3071686.
     logprobs = NEW.clone().requires_grad_(True)
-    loss, _ = policy_loss(logprobs, OLD, ADV, MASK, LossSpec(clip_low=0.2, clip_high=0.28, agg="seq-mean-token-mean",
+    loss, _ = policy_loss(logprobs, OLD, ADV, MASK, AlgorithmConfig(clip_low=0.2, clip_high=0.28, agg="seq-mean-token-mean",
                                                            ratio_level="sequence"))
     loss.backward()
     assert loss.item() == pytest.approx(-0.30716864998045773, abs=1e-12)
@@ -176,7 +177,7 @@ def test_gspo_token_form_equals_the_sequence_objective():
     # mean_i max(-A_i s_i, -A_i clip(s_i)), s_i = exp(mean_t (logp - old)), differentiated through s_i.
     old, new, advantages, mask = _random_batch(seed=1, step=0.05)
     token_form = new.clone().requires_grad_(True)
-    loss, _ = policy_loss(token_form, old, advantages, mask, LossSpec(clip_low=0.01, clip_high=0.012,
+    loss, _ = policy_loss(token_form, old, advantages, mask, AlgorithmConfig(clip_low=0.01, clip_high=0.012,
                           agg="seq-mean-token-mean", ratio_level="sequence"))
     loss.backward()
     direct = new.clone().requires_grad_(True)
@@ -190,10 +191,10 @@ def test_gspo_token_form_equals_the_sequence_objective():
     torch.testing.assert_close(log_ratio[:, :1], (((new - old) * mask).sum(1) / mask.sum(1))[:, None])
     # One-token sequences: the sequence ratio is the token ratio.
     one = torch.ones(6, 1, **F64)
-    sequence = policy_loss(new[:, :1], old[:, :1], advantages, one, LossSpec(ratio_level="sequence"))[0]
+    sequence = policy_loss(new[:, :1], old[:, :1], advantages, one, AlgorithmConfig(ratio_level="sequence"))[0]
     torch.testing.assert_close(sequence, policy_loss(new[:, :1], old[:, :1], advantages, one)[0], rtol=0, atol=1e-15)
-    with pytest.raises(ValueError, match="unknown ratio_level 'seq'; valid: token, sequence"):
-        policy_loss(NEW, OLD, ADV, MASK, LossSpec(ratio_level="seq"))
+    with pytest.raises(ConfigError, match="algorithm.ratio_level: 'seq' is not one of token, sequence"):
+        policy_loss(NEW, OLD, ADV, MASK, AlgorithmConfig(ratio_level="seq"))
 
 
 def test_kl_in_reward_reference_numbers():

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.config import load_config
+from launch.recipe import load_config
 from launch.dist import DistInfo
 from launch.train import run
 

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 import rewards
-from launch.schema import Config, RewardConfig
+from grpo.config import ConfigError, RewardConfig
 from grpo.scoring import Scorer
-from launch.config import ConfigError
 from launch.reward_pool import RewardPool
 
 
@@ -105,17 +104,16 @@ def test_worker_crash_is_a_named_error(pools):
 
 
 def test_reward_registered_in_code_is_refused_at_start_up():
-    from launch.build import _start_reward_pool
+    from launch.reward_pool import reward_functions
     builtin = rewards.get_reward("verifier")
-    cfg = Config()
-    cfg.reward.num_workers = 1
+    one_worker = RewardConfig(num_workers=1)
     try:  # a built-in name replaced in code: the workers would score with the built-in, silently
         rewards.register("verifier", lambda *args, **kwargs: 1.0, overwrite=True)
         with pytest.raises(ConfigError, match=r"data_source 'verifier' is .*<lambda> here but "
                                               r"rewards\.verifier\.verifier_reward in the reward workers"):
-            _start_reward_pool(cfg, [_row("verifier", 0)])
+            reward_functions(one_worker, [_row("verifier", 0)])
     finally:
         rewards.register("verifier", builtin, overwrite=True)
     rewards.register("tests_pool_code_only", lambda *args, **kwargs: 1.0, overwrite=True)
     with pytest.raises(ConfigError, match=r"a reward worker could not set up the rewards: .*'tests_pool_code_only'"):
-        _start_reward_pool(cfg, [_row("tests_pool_code_only", 0)])
+        reward_functions(one_worker, [_row("tests_pool_code_only", 0)])

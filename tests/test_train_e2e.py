@@ -6,7 +6,8 @@ import shutil
 import pytest
 import torch
 
-from launch.config import ConfigError, load_config
+from grpo.config import ConfigError
+from launch.recipe import load_config
 from launch.dist import DistInfo
 from launch.train import run
 

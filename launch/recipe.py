@@ -1,9 +1,8 @@
-"""Reading a run's configuration: a YAML recipe plus `key.sub=value` overrides, checked against the schema
-(launch/schema.py and grpo/config.py: typed dataclasses, a docstring per field, choices and numeric ranges beside
-their fields).
+"""Reading a recipe: a YAML file (or a dict of its sections, or nothing for the defaults) plus `key.sub=value`
+overrides, into the typed Config of grpo/config.py.
 
-Unknown keys, wrong types, values outside a field's choices and numbers outside a field's range fail with the
-key named (and, for a misspelt key, the closest valid key suggested).
+Unknown keys (with the closest valid key suggested) and wrong types fail here; each section then checks its own
+choices and ranges as it is built. Every error names the key and, for a file, the file.
 """
 from __future__ import annotations
 
@@ -16,12 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from grpo.config import Range
-from launch.schema import Config
-
-
-class ConfigError(ValueError):
-    """A recipe or override that does not fit the schema."""
+from grpo.config import Config, ConfigError
 
 
 def _type_name(tp) -> str:
@@ -61,21 +55,11 @@ def _coerce(value, tp, key: str):
     return value
 
 
-def _check_range(value, valid: Range, key: str) -> None:
-    """ConfigError naming the key, the value and the range when `value` (a number, None for "off", or a list of
-    numbers) is outside `valid`."""
-    for index, number in enumerate(value if isinstance(value, list) else [value]):
-        if number is not None and not valid.contains(number):
-            where = f"{key}[{index}]" if isinstance(value, list) else key
-            raise ConfigError(f"{where}={number!r} is out of range: it must be {valid}")
-
-
 def _build(cls, values: dict, prefix: str = ""):
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {values!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    names = list(fields)
+    names = [spec.name for spec in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in values.items():
         if key not in names:
@@ -83,16 +67,9 @@ def _build(cls, values: dict, prefix: str = ""):
             hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(names)}"
             raise ConfigError(f"unknown config key {prefix}{key}{hint}")
         tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value, f"{prefix}{key}.")
-        else:
-            kwargs[key] = _coerce(value, tp, f"{prefix}{key}")
-            allowed = fields[key].metadata.get("choices")
-            if allowed and kwargs[key] not in allowed:
-                raise ConfigError(f"{prefix}{key}: {kwargs[key]!r} is not one of {', '.join(allowed)}")
-            if "range" in fields[key].metadata:
-                _check_range(kwargs[key], fields[key].metadata["range"], f"{prefix}{key}")
-    return cls(**kwargs)
+        kwargs[key] = (_build(tp, value, f"{prefix}{key}.") if dataclasses.is_dataclass(tp)
+                       else _coerce(value, tp, f"{prefix}{key}"))
+    return cls(**kwargs)  # the section checks its choices and ranges (grpo.config.Section)
 
 
 def _set_dotted(tree: dict, dotted: str, value) -> None:

@@ -1,4 +1,4 @@
-"""launch/allocator.py: with keep_freed_memory, a large tensor freed and allocated again is not page-faulted
+"""launch/dist.py: with keep_freed_memory, a large tensor freed and allocated again is not page-faulted
 in again (glibc reuses the heap block); without it every allocation is a fresh mmap. Each case runs in its
 own interpreter, since the setting is process-wide and permanent."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # tensors (like a training step's activations): 416 MiB, 106,496 pages of 4 KiB per round.
 PROBE = """
 import resource, sys, torch
-from launch.allocator import keep_freed_memory
+from launch.dist import keep_freed_memory
 applied = keep_freed_memory() if sys.argv[1] == "on" else False
 faults = []
 for _ in range(8):
@@ -47,8 +47,8 @@ def test_freed_memory_is_reused_without_page_faults():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's tunables")
 def test_the_environment_variables_make_the_same_setting():
-    """launch.allocator.ENVIRONMENT (what bench.vs_trl --allocator cached gives TRL's process) does what
+    """launch.dist.MALLOC_ENVIRONMENT (what bench.vs_trl --allocator cached gives TRL's process) does what
     keep_freed_memory does, for a process that never calls it."""
-    from launch.allocator import ENVIRONMENT
+    from launch.dist import MALLOC_ENVIRONMENT as ENVIRONMENT
     applied, faults = last_allocation_faults("off", ENVIRONMENT)
     assert not applied and faults < 1_000
