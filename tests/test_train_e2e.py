@@ -98,6 +98,27 @@ def test_sft_steps_lower_the_loss(tmp_path, tiny_model_dir):
     assert losses[-1] < losses[0] * 0.8, losses
 
 
+def test_sft_held_out_evaluation_uses_the_trained_weights(tmp_path, tiny_model_dir):
+    # An engine with weights of its own (here a bf16 copy beside fp32 master weights; under torchrun always) must
+    # receive the SFT steps' weights before it scores the held-out rows after them, as RL's sync after every step
+    # does: its weights are then the trained policy's in its dtype, not the ones it was built with.
+    from grpo.trainer import train_sft
+    from launch.build import build
+    cfg = _config(tmp_path, tiny_model_dir, "stage=sft", "trainer.steps=2", "trainer.sft_batch_size=4",
+                  "optim.lr=1e-2", "model.param_dtype=bfloat16")
+    built = build(cfg, DistInfo())
+    try:
+        engine = built.parts.rollout.engine
+        assert not engine.shared and engine.model.dtype == torch.bfloat16
+        built.loop(built.parts, DistInfo())
+        trained = dict(built.parts.policy.model.named_parameters())
+        for name, weight in engine.model.named_parameters():
+            assert torch.equal(weight, trained[name].detach().to(torch.bfloat16)), name
+        assert train_sft is built.loop
+    finally:
+        built.close()
+
+
 def test_startup_errors_write_nothing(tmp_path, tiny_model_dir):
     (tmp_path / "unknown").mkdir()
     cases = [
