@@ -1,7 +1,7 @@
 """Per-step metrics of the RL loop (TRL-style names) and their reduction over ranks.
 
 The ones that catch silent no-learning: flat_group_frac, truncation_rate, per-component reward
-means, ratio_mean on the first update (must be 1 on-policy) and the time split.
+means, ratio_mean on the first update (1 on-policy, unless dropout is on) and the time split.
 """
 from __future__ import annotations
 
@@ -55,7 +55,9 @@ def step_metrics(batch, rewards: Tensor, group_size: int, updates: list[dict], t
         if any(key in u for u in updates):
             metrics[key] = _nanmean([u[key] for u in trained if key in u])
     metrics["ratio_max"] = max((u["ratio_max"] for u in trained), default=float("nan"))
-    # On the first update of a rollout the ratio must be exactly 1 (old = current): a check on every run.
+    # On the first update of a rollout the ratio is exactly 1 (old = current), a check on every run, except with
+    # dropout (model.lora.dropout, a model's attention dropout): the old logprobs come from an eval-mode pass, as
+    # the engines sample, and the update's forward drops units, so the ratio then reads the dropout noise.
     metrics["ratio_first_update"] = trained[0]["ratio_mean"] if trained else float("nan")
     for key, values in batch.components.items():
         metrics[f"reward/{key}"] = _nanmean(values)
