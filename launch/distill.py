@@ -50,7 +50,7 @@ from data.rows import write_rows
 from data.verifier import convert_verifier, rebalance, verifier_target
 from launch.eval import add_engine_arguments, check_positive, engine_from_args, exit_2_on_bad_input, resolve_model
 from models import render_prompt
-from rewards.verifier import JUDGMENTS, last_boxed_span, last_marker, parse_judgment
+from rewards.verifier import FINAL_JUDGMENT, JUDGMENTS, last_boxed_span, last_match, parse_judgment
 
 REASONS = ("kept", "truncated", "unfinished_thinking", "no_judgment", "label_outside_set", "wrong_judgment",
            "unstructured", "empty_reasoning", "overlong", "duplicate", "surplus")
@@ -76,7 +76,7 @@ def split_reasoning(summary: str) -> str | None:
     is unstructured (see the module docstring). The reasoning may be empty; markdown around the marker and
     trailing punctuation are allowed ("Both say 144.\\n\\n**Final Judgment:** \\\\boxed{A}.")."""
     span = last_boxed_span(summary)
-    marker = last_marker(summary)
+    marker = last_match(FINAL_JUDGMENT, summary)
     if span is None or marker is None or summary.count("\\boxed{") != 1:
         return None
     box_start = span[0] - len("\\boxed{")
@@ -84,7 +84,7 @@ def split_reasoning(summary: str) -> str | None:
         return None
     if _AFTER_BOX.fullmatch(summary, span[1] + 1) is None:
         return None
-    if last_marker(summary[:marker.start()]) is not None:  # the judgment was stated twice
+    if last_match(FINAL_JUDGMENT, summary[:marker.start()]) is not None:  # the judgment was stated twice
         return None
     return summary[:marker.start()].rstrip(_REASONING_TRAIL).strip()
 

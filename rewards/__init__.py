@@ -52,11 +52,6 @@ def registered() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def _unknown(name: str, reason: str) -> ValueError:
-    return ValueError(f"unknown reward {name!r} ({reason}); registered data sources: {', '.join(registered())}; "
-                      "or give a path 'package.module.function', 'package.module:function' or 'file.py:function'")
-
-
 def load_function(name: str) -> Callable:
     """The function a path names: "package.module.function", "package.module:function" or "file.py:function"
     (also launch.self_filter's --judge); ValueError saying why it cannot be loaded."""
@@ -82,25 +77,25 @@ def load_function(name: str) -> Callable:
 
 
 def get_reward(data_source_or_path: str) -> RewardFn:
-    """The registered function, else the function a dotted or file path names; ValueError listing the
-    registered names otherwise. A path's function is registered under the path on first use."""
+    """The registered function, else the function a path names (then registered under the path); ValueError
+    listing the registered names otherwise."""
     function = _REGISTRY.get(data_source_or_path)
-    if function is not None:
-        return function
-    if not isinstance(data_source_or_path, str) or not data_source_or_path:
-        raise _unknown(str(data_source_or_path), "not a name")
-    try:
-        function = load_function(data_source_or_path)
-    except ValueError as error:
-        raise _unknown(data_source_or_path, str(error)) from None
-    _REGISTRY[data_source_or_path] = function
+    if function is None:
+        try:
+            if not isinstance(data_source_or_path, str) or not data_source_or_path:
+                raise ValueError("not a name")
+            function = _REGISTRY[data_source_or_path] = load_function(data_source_or_path)
+        except ValueError as error:
+            raise ValueError(f"unknown reward {str(data_source_or_path)!r} ({error}); registered data sources: "
+                             f"{', '.join(registered())}; or give a path 'package.module.function', "
+                             "'package.module:function' or 'file.py:function'") from None
     return function
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: object,
                   extra_info: dict | None = None) -> float | dict:
-    """verl's entry point: the reward registered for data_source (or named by path) applied to one completion,
-    checked to be a finite number (returned as a float) or a dict with a finite "score" and valid sentences."""
+    """verl's entry point: the reward for data_source on one completion, checked to be a finite number (returned
+    as a float) or a dict with a finite "score" and sentence spans inside the completion."""
     if not isinstance(solution_str, str):
         raise TypeError(f"solution_str must be a str, got {type(solution_str).__name__}")
     result = get_reward(data_source)(data_source, solution_str, ground_truth, extra_info)

@@ -1,27 +1,22 @@
-"""What a co-occurrence count is, independent of where the token positions come from.
+"""What a co-occurrence count is, independent of where the token positions come from (rewards/corpus.py:
+infini-gram; tests/memory_counter.py: a token array).
 
-count_cooccurrence(head_words, tail_words, window) counts how often every query phrase occurs within
-`window` tokens of the others. Each element of head_words/tail_words is one phrase (an AND term); a phrase
-matches where any of its token variants does (an OR, e.g. with and without a leading space for byte-level
-BPE); a phrase holding a word the tokenizer does not know makes the count 0. The corpus index
-(rewards/corpus.py) gets the positions from infini-gram (tests/memory_counter.py from a token array).
-Two definitions of "within the window", chosen per counter or per call:
+count_cooccurrence(head_words, tail_words, window) counts how often every query phrase (an AND term) occurs
+within `window` tokens of the others; a phrase matches where any of its token variants does (an OR, e.g. with
+and without a leading space for byte-level BPE), and a phrase with an unknown word makes the count 0.
+Two definitions of "within the window" (docs/recipes.md, "Corpus counts", says why the first is the default):
 
-"engine" (default): exactly infini-gram's `count_cnf(cnf, max_diff_tokens=window)`, the count the corpus
-paper's thresholds (5 and 20) were calibrated on. The clause with the fewest occurrences is the anchor; each
-anchor occurrence starts a range [l, r]; each further clause (fewest occurrences first) extends every range to
-its nearest occurrence before r when that lies at most `window` before l, and to its nearest occurrence at
-or after l when that lies at most `window` after r; when both sides qualify the range takes both, when one
-does it takes that one (the range is then counted once per side), when none does it is dropped. Finally a
-range that spans a document separator is dropped, and the number of ranges is scaled back by the product
-of the clauses' subsampling factors (integer ratios, as the engine computes them).
+"engine": exactly infini-gram's `count_cnf(cnf, max_diff_tokens=window)`, the count the corpus paper's
+thresholds were calibrated on. Each occurrence of the rarest clause starts a range [l, r]; each further clause
+(fewest occurrences first) extends every range to its nearest occurrence before r if that lies at most
+`window` before l, and to its nearest at or after l if that lies at most `window` after r; a range takes
+both sides when both qualify (then it counts once per side), else the one that does, else it is dropped.
+Ranges spanning a document separator are dropped, and the count is scaled back by the clauses' subsampling
+factors (integer ratios, as the engine computes them).
 
-"document" (the project's earlier definition): the occurrences of the rarest phrase that have every other
-phrase starting within `window` tokens of them in the SAME document, each side checked separately. It
-differs from the engine where a partner in a neighbouring document is nearer on one side than the partner in
-the same document on the other: the engine then takes both sides, the range crosses the separator and the
-occurrence is dropped. docs/recipes.md ("Corpus counts") says why the engine's is the default;
-bench/README.md ("Co-occurrence counts") has the measured comparison.
+"document": the occurrences of the rarest phrase with every other phrase starting within `window` tokens in
+the SAME document, each side checked separately. Where a partner in a neighbouring document is nearer on one
+side, the engine's range takes it, crosses the separator and is dropped; this count keeps the occurrence.
 """
 from __future__ import annotations
 
@@ -39,10 +34,9 @@ _WORD = re.compile(r"[^\W_]+")
 
 
 class Clause(NamedTuple):
-    """The occurrences of one phrase: positions [N] int64 sorted (start token of each occurrence, in the
-    counter's position units), documents [N] int64 (document index of each), scale (> 1 when the positions
-    are a subsample: the engine's integer ratio total // N) and total (occurrences before subsampling, which
-    orders the clauses as the engine orders them)."""
+    """One phrase's occurrences: positions [N] int64 sorted (start of each, in the counter's units), documents
+    [N] int64 (document of each), scale (> 1 for a subsample: the engine's ratio total // N) and total
+    (occurrences before subsampling, by which the engine orders the clauses)."""
 
     positions: np.ndarray
     documents: np.ndarray
@@ -51,9 +45,8 @@ class Clause(NamedTuple):
 
 
 def document_window_count(clauses: Sequence[Clause], window: int) -> int:
-    """The "document" definition (module docstring). For each anchor only the nearest partner on each side
-    needs checking: a farther one on that side is farther away and, documents being contiguous, not in a
-    nearer document."""
+    """The "document" definition (module docstring). Only the nearest partner on each side of an anchor needs
+    checking: documents being contiguous, a farther one is not in a nearer document."""
     order = sorted(range(len(clauses)), key=lambda index: len(clauses[index].positions) * clauses[index].scale)
     anchor_positions, anchor_documents, anchor_scale, _ = clauses[order[0]]
     keep = np.ones(len(anchor_positions), dtype=bool)
@@ -72,11 +65,8 @@ def document_window_count(clauses: Sequence[Clause], window: int) -> int:
 
 
 def engine_window_count(clauses: Sequence[Clause], window: int, separators: np.ndarray) -> int:
-    """The "engine" definition (module docstring), vectorised over the ranges.
-
-    separators: [D] int64 sorted, the position of each document's separator token (in the same units as the
-    clauses' positions); a range [l, r] is dropped when a separator s has l <= s < r.
-    """
+    """The "engine" definition (module docstring), vectorised over the ranges. separators: [D] int64 sorted,
+    each document's separator position; a range [l, r] is dropped when a separator s has l <= s < r."""
     order = sorted(range(len(clauses)), key=lambda index: clauses[index].total)  # stable, like the engine's sort
     left = clauses[order[0]].positions.copy()
     right = left.copy()
@@ -99,11 +89,9 @@ def engine_window_count(clauses: Sequence[Clause], window: int, separators: np.n
 
 
 class WordTokenizer:
-    """Word-level tokenizer fitted on the corpus: NFKC, lower-case, words are runs of letters/digits
-    (`[^\\W_]+`), ids 1.. by descending frequency (0 is reserved: the engine wants an end-of-document id).
-    Every word of the corpus gets an id, however many there are (no vocabulary cap: a rare entity counts
-    like any other word); rewards.corpus decides how the ids are stored. Encoding a text from outside the
-    corpus gives UNKNOWN_ID to a word the vocabulary lacks, and a query holding one counts 0. Needs no download."""
+    """Word-level tokenizer fitted on the corpus, no download: NFKC, lower-case, words are runs of letters or
+    digits, ids 1.. by descending frequency (0 is the engine's end-of-document id). Every word of the corpus
+    gets an id (a rare entity counts like any other word); a word outside it encodes as UNKNOWN_ID."""
 
     UNKNOWN_ID = -2  # never stored in an index: a fitted vocabulary holds every word of its corpus
 
@@ -136,10 +124,9 @@ class WordTokenizer:
 
 
 class ExternalTokenizer:
-    """Any tokenizer given as `encode_fn(text) -> list[int]` (e.g. the policy's; wrap a Hugging Face one as
-    `lambda text: tok.encode(text, add_special_tokens=False)`). Byte-level BPE gives a word a different id
-    with a leading space, and case matters, so a phrase matches any of: as written, lower-case,
-    capitalised, each with and without a leading space."""
+    """Any `encode_fn(text) -> list[int]` (a Hugging Face one: `lambda text: tok.encode(text,
+    add_special_tokens=False)`). Byte-level BPE gives a word another id after a space, and case matters, so a
+    phrase matches as written, lower-case or capitalised, each with and without a leading space."""
 
     PROBE = "The quick brown fox, 1903: Marie Curie's Nobel Prize."
 
@@ -168,12 +155,9 @@ class ExternalTokenizer:
 
 
 class CooccurrenceCounter(ABC):
-    """count_cooccurrence over `_clause(variants) -> Clause`, with an LRU cache of clauses (the G completions
-    of one prompt repeat the same words) bounded by the positions it holds and by its number of entries.
-
-    semantics: "engine" (infini-gram's count_cnf) or "document" (module docstring); a call may override it.
-    A subclass sets `document_starts`: [D] int64, the position of each document's separator token.
-    """
+    """count_cooccurrence over a subclass's `_clause(variants)` and `document_starts` ([D] int64, each
+    document's separator position), with an LRU cache of clauses (the G completions of a prompt repeat words)
+    bounded in positions and entries. semantics: the default window definition; a call may override it."""
 
     CACHE_ENTRIES = 65_536
     document_starts: np.ndarray

@@ -1,16 +1,12 @@
-"""A local corpus index on infini-gram's suffix array: built from a jsonl corpus by rewards/index_build.py,
-queried for co-occurrences here.
+"""A local corpus index on infini-gram's suffix array: built by rewards/index_build.py, queried here.
 
     python -m rewards.corpus build --input corpus.jsonl --out DIR      # one {"text": ...} object per line
     python -m rewards.corpus count --index DIR --head "Marie Curie" --tail "Nobel Prize"
 
-The index directory holds infini-gram's v4 files (tokenized.0, offset.0, table.0), vocab.txt (one word
-per line, id = line number) and nanogrpo-index.json (sizes, tokenizer), written last.
-Tokenisation is ours (rewards.cooccurrence.WordTokenizer, fitted on the corpus; or any encode_fn through
-the Python API); infini-gram's engine finds every occurrence of a phrase and rewards.cooccurrence turns
-occurrences into window counts. The engine does not check its files, so they are checked here before it
-opens them, and a directory whose path holds one of the names the engine sorts its files by (see
-rewards/index_build.py) is opened through a neutral symlink.
+The directory holds infini-gram's v4 files (tokenized.0, offset.0, table.0), vocab.txt (one word per line,
+id = line number) and nanogrpo-index.json (sizes, tokenizer), written last. The tokenizer is ours
+(rewards.cooccurrence); the engine finds each phrase's occurrences. It checks none of its files, so they are
+checked here, and a path holding a name it sorts its files by is opened through a neutral symlink.
 """
 from __future__ import annotations
 
@@ -27,14 +23,14 @@ from pathlib import Path
 import numpy as np
 
 from rewards.cooccurrence import Clause, CooccurrenceCounter, ExternalTokenizer, WordTokenizer
-from rewards.index_build import (_ENGINE_NAME_PARTS, FORMAT, META_FILE, TOKEN_WIDTH, TOKENS_PER_ID, VERSION,
-                                 VOCAB_FILE, _engine_safe, build_command, build_index, separator, storable,
+from rewards.index_build import (_ENGINE_NAME_PARTS, FORMAT, MAX_PAIR_ID, MAX_SINGLE_ID, META_FILE, TOKEN_WIDTH,
+                                 TOKENS_PER_ID, VERSION, VOCAB_FILE, _engine_safe, build_index, separator,
                                  stored_tokens)
 
 
 def check_index(path: Path) -> dict:
     """The index's metadata, after checking every file against it (the engine itself checks nothing)."""
-    fix = f"; build it with: {build_command(path)}"
+    fix = f"; build it with: python -m rewards.corpus build --input corpus.jsonl --out {path}"
     if not path.is_dir():
         raise FileNotFoundError(f"corpus index directory {path} does not exist{fix}")
     try:
@@ -82,14 +78,11 @@ def check_index(path: Path) -> dict:
 
 
 class CorpusIndex(CooccurrenceCounter):
-    """Co-occurrence counts on a built index (see rewards.cooccurrence for what is counted).
+    """Co-occurrence counts (rewards.cooccurrence) on a built index, positions in ids whatever the layout.
 
-    encode_fn: required for an index built with one, and checked against the fingerprint stored then.
-    max_clause_freq: a phrase with more occurrences is subsampled by infini-gram (the count becomes an
-    estimate, scaled back like infini-gram's own counts); the default is the engine's own (50,000).
-    semantics: "engine" (infini-gram's count_cnf, the default) or "document" (rewards.cooccurrence).
-    Positions are in ids (a "u16x2" index stores two tokens per id; positions are halved), so windows
-    count words (or the external tokenizer's tokens) whatever the layout.
+    encode_fn: required for an index built with one, checked against the fingerprint stored then.
+    max_clause_freq: a phrase with more occurrences is subsampled by infini-gram and its count scaled back,
+    as infini-gram's own counts are (the default is the engine's).
     """
 
     def __init__(self, path: str | os.PathLike, *, encode_fn: Callable[[str], list[int]] | None = None,
@@ -124,8 +117,10 @@ class CorpusIndex(CooccurrenceCounter):
         self.document_starts = offsets // (TOKEN_WIDTH * self.stride)
 
     def stored(self, variants: list[list[int]]) -> list[list[int]]:
-        """The engine's token pattern of each storable variant (an id the index cannot hold never occurs)."""
-        return [stored_tokens(np.asarray(ids), self.layout).tolist() for ids in variants if storable(ids, self.layout)]
+        """The engine's token pattern of each variant the layout can hold (another never occurs)."""
+        largest = MAX_SINGLE_ID if self.layout == "u16" else MAX_PAIR_ID
+        return [stored_tokens(np.asarray(ids), self.layout).tolist() for ids in variants
+                if min(ids) >= 0 and max(ids) <= largest]
 
     def _clause(self, variants: list[list[int]]) -> Clause:
         patterns = self.stored(variants)

@@ -1,20 +1,16 @@
 """Corpus-grounded factual-QA reward (`factqa_corpus`): an outcome judge plus sentence-level process shaping.
 
 score = judge + format, in {-2, 0, 1, 3}: judge +2 when the normalised `<answer>` equals, contains or is
-contained in a gold alias (ground truth: aliases joined by `;`), -1 otherwise, for an empty answer or a
-refusal ("I don't know"); format +1 for `<think>T</think><answer>A</answer>` with a non-trivial T, else -1.
-sentences = [(char_start, char_end, r_sent)] for every sentence of the `<think>`/`<answer>` text: one
-triple per sentence, its head and tail content words counted together within 1000 tokens of a reference
-corpus (infini-gram's count_cnf definition by default, rewards.cooccurrence), and the count mapped to
-r_sent: no triple or query 0; count 0 -> -0.3; 1..4 -> -0.1; 5..19 -> 0; >= 20 -> +0.1 (the corpus paper's
-thresholds, where its measured sentence accuracy jumps: 23% correct at count 0, 81% at >= 20).
+contained in a gold alias (ground truth: aliases joined by `;`), else -1 (also for an empty answer or a
+refusal); format +1 for `<think>T</think><answer>A</answer>` with a non-trivial T, else -1.
+sentences = [(char_start, char_end, r_sent)]: each sentence's triple, its head and tail content words counted
+together within 1000 tokens of a reference corpus (rewards.cooccurrence), the count mapped by COUNT_REWARDS
+(the corpus paper's thresholds, where its sentence accuracy jumps from 23% at count 0 to 81% at >= 20).
 The trainer adds sentence_coef * r_sent to those sentences' tokens (docs/conventions.md, "Sentence rewards"),
-so the sentence reward shapes; it is an order of magnitude smaller than the judge. Other keys: judge, format,
-correct (0/1), sentence_count, sentences_queried, sentence_reward_mean.
+an order of magnitude below the judge.
 
-The registered `factqa_corpus` opens the index named by extra_info["corpus_index"] or the environment
-variable NANOGRPO_CORPUS_INDEX (once per path); make_factqa_reward(counter, extractor) builds one for any
-counter (e.g. a CorpusIndex with the policy's tokenizer) to register yourself.
+The registered `factqa_corpus` opens the index at extra_info["corpus_index"] or $NANOGRPO_CORPUS_INDEX;
+make_factqa_reward(counter, extractor) builds one on any counter to register yourself.
 """
 from __future__ import annotations
 
@@ -32,7 +28,7 @@ INDEX_ENV = "NANOGRPO_CORPUS_INDEX"
 WINDOW_TOKENS = 1000
 JUDGE_CORRECT, JUDGE_WRONG = 2.0, -1.0
 FORMAT_GOOD, FORMAT_BAD = 1.0, -1.0
-# (smallest count, reward) from the highest threshold down; a count below every threshold is 0 occurrences.
+# (smallest count, reward) from the highest threshold down; no triple or query: 0.
 COUNT_REWARDS = ((20, 0.1), (5, 0.0), (1, -0.1), (0, -0.3))
 MAX_SENTENCES = 64  # a runaway completion is scored on its first sentences only (query cost is per sentence)
 REFUSALS = frozenset({"i dont know", "i do not know", "dont know", "do not know", "unknown", "not sure",
@@ -45,7 +41,7 @@ ALIAS_KEYS = ("aliases", "answers", "answer", "target")
 
 
 def count_reward(count: int | None) -> float:
-    """Sentence reward for a co-occurrence count (None: no triple or nothing to query), by COUNT_REWARDS."""
+    """Sentence reward for a co-occurrence count by COUNT_REWARDS (None: no triple or nothing to query)."""
     if count is None:
         return 0.0
     for threshold, reward in COUNT_REWARDS:
@@ -104,7 +100,7 @@ def judge_answer(answer: str | None, aliases: list[str]) -> float:
 
 
 def judge(solution_str: str, ground_truth: object) -> float:
-    """The judge on a whole completion (its `<answer>` block): +2 or -1. Usable as launch.self_filter's judge."""
+    """The judge on a completion's `<answer>` block: +2 or -1 (launch.self_filter's default judge)."""
     return judge_answer(extract_block(solution_str, "answer"), parse_aliases(ground_truth))
 
 
@@ -127,8 +123,9 @@ def sentence_rewards(solution_str: str, counter: CooccurrenceCounter,
 
 
 def make_factqa_reward(counter: CooccurrenceCounter, extractor=None) -> Callable[..., dict]:
-    """A verl-signature reward `(data_source, solution_str, ground_truth, extra_info=None) -> dict` on
-    `counter` (anything with count_cooccurrence) and `extractor` (default RuleTripleExtractor)."""
+    """The reward (module docstring) on `counter` (anything with count_cooccurrence) and `extractor` (default
+    RuleTripleExtractor). Other keys: judge, format, correct, sentence_count, sentences_queried,
+    sentence_reward_mean."""
     extractor = extractor if extractor is not None else RuleTripleExtractor()
 
     def factqa_reward(data_source: str, solution_str: str, ground_truth: object,
@@ -149,7 +146,8 @@ _REWARDS_BY_INDEX: dict[str, Callable[..., dict]] = {}
 
 def factqa_corpus_reward(data_source: str, solution_str: str, ground_truth: object,
                          extra_info: dict | None = None) -> dict:
-    """make_factqa_reward on the CorpusIndex at extra_info["corpus_index"] or $NANOGRPO_CORPUS_INDEX."""
+    """make_factqa_reward on the CorpusIndex at extra_info["corpus_index"] or $NANOGRPO_CORPUS_INDEX (opened once
+    per path)."""
     path = extra_info.get("corpus_index") if isinstance(extra_info, dict) else None
     path = path or os.environ.get(INDEX_ENV)
     if not path:

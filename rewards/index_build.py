@@ -1,28 +1,20 @@
-"""Building a corpus index (rewards/corpus.py opens and queries it): tokenise a jsonl corpus, store the ids in
-infini-gram's v4 files, and run infini-gram's suffix-array builder (`infini_gram.indexing.build_sa`).
+"""Building a corpus index (rewards/corpus.py queries it): tokenise a jsonl corpus, store the ids in infini-gram's
+v4 files and run its suffix-array builder (`infini_gram.indexing.build_sa`).
 
-Ids go into a 16-bit token stream with no cap on their number. infini-gram's builder has a 32-bit token
-mode, but its suffix-array step allocates 2^32 eight-byte counting bins (32 GiB) whatever the corpus size
-(bench/README.md, "Other one-off measurements"). So the index stays 16-bit and ids that do not fit one token
-take two:
+The token stream is 16-bit: the builder's 32-bit mode allocates 32 GiB of counting bins whatever the corpus
+size (bench/README.md). Ids that do not fit one token take two, so the number of ids has no cap:
 
     "u16"    every id is one token (ids 0..MAX_SINGLE_ID); one separator token 0xFFFF per document.
-    "u16x2"  every id v is the pair (1 + v // LOW_IDS, HIGH_IDS + 1 + v % LOW_IDS): the first token lies in
-             [1, HIGH_IDS], the second in [HIGH_IDS + 1, MAX_SINGLE_ID], so a phrase's token pattern can only
-             match at the start of a pair and the suffix array finds exact phrases; two separator tokens per
-             document, so every document start, word and window is exactly twice its "u16" position and
-             position // 2 is the id's position (what rewards.cooccurrence counts in).
+    "u16x2"  every id v is the pair (1 + v // LOW_IDS, HIGH_IDS + 1 + v % LOW_IDS): first tokens lie in
+             [1, HIGH_IDS], second ones above, so a phrase's pattern matches only at the start of a pair; two
+             separator tokens per document, so every position is exactly twice its "u16" one.
 
-The builder picks "u16" when every id fits and "u16x2" otherwise, up to MAX_PAIR_ID (over a billion ids);
-beyond that the build fails naming the number. No stored token has 0xFF as its high byte (ids stop at
-0xFEFF), so infini-gram's byte-level search for the separator 0xFFFF (its document-boundary check in
-count_cnf) can only match real separators.
+choose_layout picks "u16" when every id fits, else "u16x2" up to MAX_PAIR_ID (over a billion ids). No token
+has 0xFF as its high byte, so the engine's byte-level search for the separator matches real separators only.
 
-infini-gram quirks handled here: the builder chdirs into its package (the working directory is restored),
-panics with several jobs on a tiny corpus (one CPU below 16 MiB) and ends with exit(1) on failure (turned
-into RuntimeError); the engine sorts its files by substrings of the FULL path ("tokenized", "table",
-"offset", "metadata"), so a directory whose path contains one of them segfaults it and is built elsewhere
-and moved.
+infini-gram quirks handled here: the builder chdirs (restored), panics with several jobs on a tiny corpus (one
+CPU below 16 MiB) and calls exit(1) on failure (a RuntimeError here); the engine sorts its files by substrings
+of the FULL path ("tokenized", "table", "offset", "metadata"), so such a path is built elsewhere and moved.
 """
 from __future__ import annotations
 
@@ -85,15 +77,6 @@ def stored_tokens(ids: np.ndarray, layout: str) -> np.ndarray:
 def separator(layout: str) -> bytes:
     """The bytes that open every document in the token stream."""
     return np.full(TOKENS_PER_ID[layout], SEPARATOR_ID, dtype=np.uint16).tobytes()
-
-
-def storable(ids: list[int], layout: str) -> bool:
-    """Whether every id can be stored in `layout` (an id beyond it never occurs in the index)."""
-    return min(ids) >= 0 and max(ids) <= (MAX_SINGLE_ID if layout == "u16" else MAX_PAIR_ID)
-
-
-def build_command(path: object) -> str:
-    return f"python -m rewards.corpus build --input corpus.jsonl --out {path}"
 
 
 def _engine_safe(path: Path) -> bool:
@@ -173,11 +156,8 @@ def _write_tokens(ids_path: Path, lengths: np.ndarray, layout: str, work_dir: Pa
 def build_index(input_path: str | os.PathLike, out_dir: str | os.PathLike, *, text_field: str = "text",
                 encode_fn: Callable[[str], list[int]] | None = None, tokenizer_name: str = "external",
                 cpus: int | None = None) -> Path:
-    """Build a corpus index from a jsonl file into out_dir (created; must be empty) and return its path.
-
-    encode_fn: None for the word-level tokenizer fitted on the corpus (every word gets an id); else any
-    tokenizer's encode (ids >= 0). The layout (one or two 16-bit tokens per id) follows from the largest id.
-    """
+    """Build a corpus index from a jsonl file into out_dir (created, or empty) and return its path. encode_fn:
+    None for the WordTokenizer fitted on the corpus, else any tokenizer's encode (ids >= 0)."""
     input_path, out_dir = Path(input_path), Path(out_dir)
     if not input_path.is_file():
         raise FileNotFoundError(f"corpus file {input_path} does not exist")
@@ -206,15 +186,10 @@ def build_index(input_path: str | os.PathLike, out_dir: str | os.PathLike, *, te
         if work_dir != out_dir:
             for name in ENGINE_FILES:
                 shutil.move(str(work_dir / name), str(out_dir / name))
-    except BaseException:  # leave no half-built index behind
-        for name in (*ENGINE_FILES, "ids.tmp", "parts-0", "merged-0"):
-            target = out_dir / name
-            if target.is_dir():
-                shutil.rmtree(target, ignore_errors=True)
-            else:
-                target.unlink(missing_ok=True)
-        if created:
-            shutil.rmtree(out_dir, ignore_errors=True)
+    except BaseException:  # leave no half-built index behind (out_dir was absent or empty)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        if not created:
+            out_dir.mkdir()
         raise
     finally:
         if work_dir != out_dir:

@@ -1,7 +1,7 @@
-"""Shared text helpers for the rewards: normalisation, token F1, tag blocks, sentence spans and JSON ground truth.
+"""Text helpers for the rewards: normalisation, token F1, tag blocks, sentence spans and JSON ground truth.
 
-Every function here is total on strings: no input (empty, binary junk, unclosed or nested tags, megabytes of
-text) raises, and all searches are linear in the text length (no regex that backtracks over the whole text).
+Every function is total on strings (no input raises) and linear in the text length (no regex that backtracks
+over the whole text), since completions can be megabytes of junk.
 """
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ from typing import NamedTuple
 # Every ASCII punctuation character (including `_`) becomes a space; see normalize_text.
 _PUNCTUATION_TO_SPACE = str.maketrans({character: " " for character in string.punctuation})
 _SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+")
+_WORD = re.compile(r"[^\W_]+")
+_THINK_ANSWER = re.compile(r"\s*<think>(.*)</think>\s*<answer>(.*)</answer>\s*", re.IGNORECASE | re.DOTALL)
+MIN_THINK_WORDS = 3
 
 
 def normalize_text(text: str) -> str:
@@ -35,7 +38,7 @@ class TokenBag(NamedTuple):
 
 
 def token_bag(text: str) -> TokenBag:
-    """The TokenBag of a text (gold sides are built once per ground truth and reused)."""
+    """The TokenBag of a text (a gold side is built once per ground truth)."""
     tokens = normalize_text(text).split()
     counts = Counter(tokens)  # counted in C
     if len(counts) == len(tokens):
@@ -44,9 +47,9 @@ def token_bag(text: str) -> TokenBag:
 
 
 def bag_f1(prediction: TokenBag, gold: TokenBag) -> float:
-    """Token F1 of two bags: 2*shared / (len(prediction) + len(gold)), which equals 2PR/(P+R). shared (the sum
-    over common tokens of the smaller count) is len(common) plus a correction for the few tokens repeated on
-    both sides, so the usual case is a C-level set intersection."""
+    """Token F1 = 2*shared / (len(prediction) + len(gold)) = 2PR/(P+R). shared (the sum over common tokens of
+    the smaller count) is len(common) plus a correction for tokens repeated on both sides, so the usual case
+    is a set intersection done in C."""
     if prediction.length == 0 or gold.length == 0:
         return 0.0
     common = prediction.counts.keys() & gold.counts.keys()
@@ -74,13 +77,9 @@ def _tag(name: str, closing: bool) -> re.Pattern:
 
 
 def find_block(text: str, name: str) -> tuple[int, int] | None:
-    """Character span of the content of the first `<name>...</name>` block, or None.
-
-    Same result as `re.search(f"<{name}>(.*?)</{name}>", text, re.I | re.S).span(1)`: the leftmost opening
-    tag that has a closing tag after it is the first opening tag (a later one cannot have a closing tag the
-    first lacks), and non-greedy means the first closing tag after it. Done as two literal searches so that
-    a text with many unclosed tags stays linear instead of quadratic.
-    """
+    """Character span of the content of the first `<name>...</name>` block, or None: the span of
+    `re.search(f"<{name}>(.*?)</{name}>", text, re.I | re.S)`'s group, found by two literal searches (the first
+    opening tag, then the first closing tag after it), linear where that regex is quadratic on unclosed tags."""
     opening = _tag(name, closing=False).search(text)
     if opening is None:
         return None
@@ -98,12 +97,10 @@ def extract_block(text: str, name: str) -> str | None:
     return None if span is None else text[span[0]:span[1]]
 
 
-def scoring_regions(text: str, names: tuple[str, ...] = ("think", "answer")) -> list[tuple[int, int]]:
-    """Content spans of the non-overlapping `<think>...</think>` / `<answer>...</answer>` blocks, left to right.
-
-    Same blocks as `re.finditer("<think>(.*?)</think>|<answer>(.*?)</answer>", text, re.I | re.S)`, so a
-    block nested in another is part of the outer one. The whole text, `[(0, len(text))]`, when there is no
-    complete block. Linear: the next opening tag of each kind is remembered, so no search repeats a prefix.
+def scoring_regions(text: str) -> list[tuple[int, int]]:
+    """Content spans of the `<think>` and `<answer>` blocks, left to right, as the alternation regex
+    `<think>(.*?)</think>|<answer>(.*?)</answer>` (re.I | re.S) finds them (a block nested in another is part of
+    the outer one); the whole text when there is no complete block. Linear: each next opening tag is remembered.
 
     >>> scoring_regions("<think>a. b.</think><answer>c</answer>"), scoring_regions("no tags")
     ([(7, 12), (28, 29)], [(0, 7)])
@@ -111,7 +108,7 @@ def scoring_regions(text: str, names: tuple[str, ...] = ("think", "answer")) -> 
     regions: list[tuple[int, int]] = []
     position = 0
     next_opening: dict[str, re.Match | None] = {}
-    alive = list(names)
+    alive = ["think", "answer"]
     while alive:
         for name in alive:
             cached = next_opening.get(name)
@@ -132,12 +129,8 @@ def scoring_regions(text: str, names: tuple[str, ...] = ("think", "answer")) -> 
 
 
 def split_sentences(text: str) -> list[tuple[int, int]]:
-    """Sentence character spans `(start, end)` over the ORIGINAL text, sorted and non-overlapping.
-
-    Only the content of `<think>` and `<answer>` blocks is split when there is a complete block; otherwise
-    the whole text is. Sentences end at `.`, `!` or `?` followed by whitespace (`(?<=[.!?])\\s+`); each span
-    is trimmed of whitespace, so `text[start:end]` is the sentence and only whitespace lies between two spans
-    of a block.
+    """Sentence spans `(start, end)` of the text, sorted, in scoring_regions only. A sentence ends at `.`, `!`
+    or `?` followed by whitespace; spans are trimmed, so only whitespace lies between two spans of a block.
 
     >>> text = "<think>Paris is in France. It is big!</think><answer>Paris</answer>"
     >>> [text[start:end] for start, end in split_sentences(text)]
@@ -157,35 +150,25 @@ def split_sentences(text: str) -> list[tuple[int, int]]:
     return sentences
 
 
-def think_answer_format(text: str, *, min_think_words: int = 3) -> bool:
-    """True for exactly `<think>T</think><answer>A</answer>` (whitespace allowed around and between the
-    blocks, tags case-insensitive) with at least `min_think_words` words in T and a non-empty A.
+def think_answer_format(text: str) -> bool:
+    """True for exactly `<think>T</think><answer>A</answer>`, each tag once (case-insensitive), only whitespace
+    around and between the blocks, at least MIN_THINK_WORDS words in T and a non-empty A.
 
     >>> think_answer_format("<think>Paris is the capital.</think>\\n<answer>Paris</answer>")
     True
     """
-    tags = []
     for name in ("think", "answer"):
         for closing in (False, True):
             matches = _tag(name, closing).finditer(text)
-            first = next(matches, None)
-            if first is None or next(matches, None) is not None:
-                return False  # every tag exactly once
-            tags.append(first)
-    if [tag.start() for tag in tags] != sorted(tag.start() for tag in tags):
-        return False  # out of order (two tags never overlap: each is "<...>" with no "<" or ">" inside)
-    think_open, think_close, answer_open, answer_close = tags
-    outside = text[:think_open.start()] + text[think_close.end():answer_open.start()] + text[answer_close.end():]
-    if outside.strip():
-        return False
-    think = text[think_open.end():think_close.start()]
-    answer = text[answer_open.end():answer_close.start()]
-    return len(re.findall(r"[^\W_]+", think)) >= min_think_words and bool(answer.strip())
+            if next(matches, None) is None or next(matches, None) is not None:
+                return False
+    match = _THINK_ANSWER.fullmatch(text)  # with every tag once, linear
+    return match is not None and len(_WORD.findall(match.group(1))) >= MIN_THINK_WORDS and bool(match.group(2).strip())
 
 
 def load_ground_truth(ground_truth: object) -> object:
-    """A ground truth as a Python value: a dict passes through; a string holding a JSON object or array is
-    decoded; any other string is returned unchanged (a plain answer). Other types raise ValueError.
+    """A dict as it is, a string holding a JSON object or array decoded, any other string unchanged (a plain
+    answer); ValueError for other types.
 
     >>> load_ground_truth('{"answer": "SUPPORTS"}'), load_ground_truth("Paris;City of Light")
     ({'answer': 'SUPPORTS'}, 'Paris;City of Light')

@@ -39,10 +39,8 @@ _cached_label = functools.lru_cache(maxsize=4096)(_label)
 
 
 def normalize_label(text: str) -> str:
-    """normalize_text, upper-case, spaces to `_`, then the alias table ("supported" -> SUPPORTS, "nei" ->
-    NOT_ENOUGH_INFO); an unknown label is returned as is."""
-    # labels are few distinct short strings: cache them, never long junk
-    return _cached_label(text) if len(text) <= 64 else _label(text)
+    """normalize_text, upper-case, spaces to `_`, then LABEL_ALIASES; an unknown label is returned as is."""
+    return _cached_label(text) if len(text) <= 64 else _label(text)  # cache the few short labels, not junk
 
 
 def gold_label(answer: str) -> str:
@@ -55,8 +53,8 @@ def gold_label(answer: str) -> str:
 
 
 def evidence_items(block: str | None) -> list[str]:
-    """Evidence lines of an `<evidence>` block: non-empty lines, each without a leading `[n] ` and then a
-    leading `- ` or `* `; when every line empties, the whole stripped block is one item; no block, no items."""
+    """Non-empty lines of an `<evidence>` block without a leading `[n] ` and then `- ` or `* ` (the whole
+    stripped block when every line empties; no block, no items)."""
     if block is None:
         return []
     stripped = block.strip()
@@ -82,9 +80,7 @@ def _parse(ground_truth: object) -> tuple[str, tuple[str, ...], tuple[TokenBag, 
     if answer_key is None or not isinstance(value[answer_key], str):
         raise ValueError(f"field 'answer' (or 'label'/'target') must be a string in ground truth {value!r:.200}")
     evidence_key = next((key for key in EVIDENCE_KEYS if key in value), None)
-    evidence = value[evidence_key] if evidence_key else []
-    if evidence is None:
-        evidence = []
+    evidence = [] if evidence_key is None or value[evidence_key] is None else value[evidence_key]
     if isinstance(evidence, str):
         evidence = [evidence]
     if not isinstance(evidence, list) or not all(isinstance(item, str) for item in evidence):
@@ -97,8 +93,8 @@ _parse_cached = functools.lru_cache(maxsize=4096)(_parse)
 
 
 def parse_ground_truth(ground_truth: object) -> tuple[str, tuple[str, ...], tuple[TokenBag, ...]]:
-    """(answer text, gold evidence sentences, their token bags, empty ones left out); ValueError names a bad
-    field. Cached for strings: the G completions of a prompt share one ground truth."""
+    """(answer text, gold evidence sentences, their non-empty token bags); ValueError names a bad field. Cached
+    for strings: the G completions of a prompt share one ground truth."""
     return _parse_cached(ground_truth) if isinstance(ground_truth, str) else _parse(ground_truth)
 
 
@@ -106,11 +102,8 @@ def evidence_score(items: list[str], gold: tuple[TokenBag, ...]) -> float:
     """Mean over predicted items of the best token F1 against any gold item; 0 if either side is empty."""
     if not items or not gold:
         return 0.0
-    total = 0.0
-    for item in items:
-        bag = token_bag(item)
-        total += max(bag_f1(bag, gold_bag) for gold_bag in gold)
-    return total / len(items)
+    bags = map(token_bag, items)
+    return sum(max(bag_f1(bag, gold_bag) for gold_bag in gold) for bag in bags) / len(items)
 
 
 def completion_parts(solution_str: str) -> tuple[str | None, list[str], float, float]:
@@ -125,7 +118,9 @@ def completion_parts(solution_str: str) -> tuple[str | None, list[str], float, f
 
 def gated_score(format_score: float, gold: str, predicted_label: str, answer: float,
                 evidence: float, conciseness: float, items: list[str]) -> float:
-    """The published SciFact gate: see scifact_evidence_reward for the branches."""
+    """The published SciFact gate: 0 when format < 1; gold NOT_ENOUGH_INFO -> 0.8*answer + 0.2*(1 for no items,
+    0.5 for at most 2 items of at most 20 words, else 0); a NOT_ENOUGH_INFO hedge on a decidable claim -> 0.05;
+    otherwise 0.35*answer + 0.55*evidence + 0.10*conciseness, capped at 0.25 when evidence < 0.2."""
     if format_score < 1:
         return 0.0
     if gold == NOT_ENOUGH_INFO:
@@ -142,14 +137,8 @@ def gated_score(format_score: float, gold: str, predicted_label: str, answer: fl
 
 def scifact_evidence_reward(data_source: str, solution_str: str, ground_truth: object,
                             extra_info: dict | None = None) -> dict:
-    """The SciFact evidence reward, score in [0, 1].
-
-    Components: format (1 both blocks, 0.5 one, 0 none), answer (labels equal after aliasing), evidence
-    (mean best token F1 of predicted items against gold items), conciseness (1 for 1..5 items).
-    Score: 0 when format < 1; gold NOT_ENOUGH_INFO -> 0.8*answer + 0.2*nei_evidence (1 no items, 0.5 for
-    at most 2 items of at most 20 words, else 0); gold SUPPORTS/REFUTES predicted NOT_ENOUGH_INFO -> 0.05;
-    otherwise 0.35*answer + 0.55*evidence + 0.10*conciseness, capped at 0.25 when evidence < 0.2.
-    ValueError when the gold label is not one of the three labels (after aliasing).
+    """gated_score of format (1 both blocks, 0.5 one, 0 none), answer (labels equal after aliasing), evidence
+    (evidence_score) and conciseness (1 for 1..5 items); ValueError for a gold label outside LABELS.
 
     >>> gold = '{"answer": "SUPPORTS", "evidence": ["Vitamin D lowers fracture risk in older adults."]}'
     >>> text = "<answer>\\nSUPPORTS\\n</answer>\\n\\n<evidence>\\n[1] Vitamin D lowers fracture risk.\\n</evidence>"
@@ -169,8 +158,8 @@ def scifact_evidence_reward(data_source: str, solution_str: str, ground_truth: o
 
 def evidence_qa_reward(data_source: str, solution_str: str, ground_truth: object,
                        extra_info: dict | None = None) -> dict:
-    """Free-text answer with evidence, score in [0, 1]:
-    `0.45*answer_f1 + 0.35*evidence + 0.15*format + 0.05*conciseness` (no gate; answer_f1 is token F1)."""
+    """Free-text answer with evidence, no gate: 0.45*answer_f1 (token F1) + 0.35*evidence + 0.15*format +
+    0.05*conciseness."""
     gold_text, _, gold = parse_ground_truth(ground_truth)
     answer_text, items, format_score, conciseness = completion_parts(solution_str)
     answer_f1 = token_f1(answer_text.strip(), gold_text) if answer_text is not None else 0.0

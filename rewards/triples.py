@@ -1,10 +1,7 @@
-"""One (head, relation, tail) triple per sentence, for the corpus co-occurrence reward.
-
-Two extractors share one interface, `extract(sentence) -> Triple | None`: RuleTripleExtractor
-(deterministic capitalisation/content-word heuristics; the default and the one tests use) and
-ModelTripleExtractor (a few-shot prompt, templates/triple_extraction.txt, given to any
-`generate_fn(prompt) -> str` the caller supplies, e.g. greedy decoding with a local causal LM; no torch
-here). A head or tail that is a pronoun is rejected: "She won it" says nothing a corpus can check.
+"""One (head, relation, tail) triple per sentence, for the corpus co-occurrence reward: `extract(sentence) ->
+Triple | None` by RuleTripleExtractor (deterministic heuristics, the default) or ModelTripleExtractor (a few-shot
+prompt for any `generate_fn(prompt) -> str`). A pronoun head or tail is rejected: "She won it" says nothing a
+corpus can check.
 """
 from __future__ import annotations
 
@@ -53,11 +50,10 @@ def content_words(phrase: str) -> list[str]:
 
 
 def query_words(triple: Triple) -> tuple[list[str], list[str]] | None:
-    """(head words, tail words) to count, or None when there is nothing to query: duplicates removed
-    (case-insensitive), tail words already in the head removed (a tail that repeats the head would count
-    the head alone). Every content word is kept, as the corpus paper ANDs all content words of the subject
-    and the object: (Marie Curie, won, the Nobel Prize) counts ["Marie", "Curie"] with ["Nobel", "Prize"].
-    """
+    """(head words, tail words) to count, or None when a side is empty: every content word (the corpus paper
+    ANDs all content words of subject and object), duplicates removed case-insensitively, also across sides (a
+    tail repeating the head would count the head alone): (Marie Curie, won, the Nobel Prize) counts ["Marie",
+    "Curie"] with ["Nobel", "Prize"]."""
     head: list[str] = []
     tail: list[str] = []
     taken: set[str] = set()
@@ -96,12 +92,10 @@ def _pick(words: list[str], joined: list[bool], *, last: bool) -> list[str]:
 
 
 class RuleTripleExtractor:
-    """Deterministic heuristic extractor: the relation is the first verb-like word after the first word;
-    the head is the last name (capitalised/numeric run) before it, else its last content words; the tail
-    is the first name after it, else its first content words. A pronoun right before the relation
-    (the subject) or right after it (the object) rejects the sentence: "In 1903, Marie Curie won the Nobel
-    Prize in Physics." gives (Marie Curie, won, Nobel Prize), "She won the Nobel Prize." nothing.
-    """
+    """The relation is the first verb-like word after the first word; the head is the last name (capitalised or
+    numeric run) before it, else its last content words; the tail the first name after it, else its first
+    content words. A pronoun subject or object rejects the sentence: "In 1903, Marie Curie won the Nobel Prize
+    in Physics." gives (Marie Curie, won, Nobel Prize), "She won the Nobel Prize." nothing."""
 
     def extract(self, sentence: str) -> Triple | None:
         text = sentence[:_MAX_SENTENCE_CHARS]
@@ -126,13 +120,9 @@ class RuleTripleExtractor:
 
 
 class ModelTripleExtractor:
-    """Few-shot extraction with any `generate_fn(prompt) -> str` (the caller decodes greedily).
-
-    The model answers `head | relation | tail` or `NONE`; the first valid triple line of its output is taken
-    (parse_triple; the corpus paper's extractor also takes the first valid triple), else None. An exception
-    inside generate_fn propagates: a failing extractor must not look like a sentence without facts.
-    launch.reward_pool builds generate_fn from a local causal LM (greedy decoding).
-    """
+    """Few-shot extraction (templates/triple_extraction.txt) with any `generate_fn(prompt) -> str`, such as
+    launch.reward_pool's greedy local LM: the output's first valid triple (parse_triple), else None. An
+    exception in generate_fn propagates: a failing extractor must not look like a sentence without facts."""
 
     def __init__(self, generate_fn: Callable[[str], str], template: str | None = None) -> None:
         self.generate_fn = generate_fn
@@ -150,11 +140,9 @@ class ModelTripleExtractor:
 
 
 def parse_triple(output: object) -> Triple | None:
-    """The first valid `head | relation | tail` line of a model output (brackets, quotes and a `Triple:`
-    prefix tolerated), or None. Reading stops at a `NONE` line or at a line that opens the next few-shot
-    example (`Sentence:`), so a model that runs on past its answer does not contribute a made-up triple.
-    Valid: three non-empty parts of at most 120 characters, head and tail not pronouns and holding a
-    content word.
+    """The first valid `head | relation | tail` line (brackets, quotes and a `Triple:` prefix tolerated), or None;
+    reading stops at `NONE` or at the next few-shot example (`Sentence:`), so a model that runs on adds nothing.
+    Valid: three non-empty parts of at most 120 characters, head and tail not pronouns, each with a content word.
     """
     if not isinstance(output, str):
         return None

@@ -1,10 +1,8 @@
 """Answer-equivalence verifier reward (`verifier`): 1 when the verifier's parsed judgment agrees with the
 gold label (A = correct versus B/C = incorrect or no usable answer), else 0.
 
-The verifier reads a question, a reference answer and a candidate answer (prompt: templates/verifier.txt,
-filled by verifier_prompt) and ends with `Final Judgment: \\boxed{A}`. The DAPO overlong penalty is not
-applied here: the trainer adds grpo.shaping's penalty from token lengths. Returned keys: score, correct
-(the same 0/1), parsed (1 when a judgment was found), judged_a, judged_b, judged_c (one-hot, 0 if unparsed).
+The verifier reads a question, a reference answer and a candidate answer (templates/verifier.txt, filled by
+verifier_prompt) and ends with `Final Judgment: \\boxed{A}`. The DAPO overlong penalty comes from the trainer.
 """
 from __future__ import annotations
 
@@ -18,7 +16,7 @@ JUDGMENTS = ("A", "B", "C")
 LABEL_KEYS = ("label", "judgment", "answer", "target")
 # Gold labels in words, e.g. from xVerify-style data; B and C both count as "not correct".
 _WORD_LABELS = {"CORRECT": "A", "TRUE": "A", "INCORRECT": "B", "FALSE": "B", "INCOMPLETE": "C"}
-_FINAL_JUDGMENT = re.compile(r"final\s+judge?ment", re.IGNORECASE)
+FINAL_JUDGMENT = re.compile(r"final\s+judge?ment", re.IGNORECASE)
 _BARE_LETTER = re.compile(r"\s*[:：]?\s*[*_`$(\[]*\s*([ABC])(?![A-Za-z0-9])")
 _XVERIFY = re.compile(r"\[(correct|incorrect)\]", re.IGNORECASE)
 _LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
@@ -29,14 +27,13 @@ _PLACEHOLDER = re.compile(r"\{(question|reference|candidate)\}")
 
 @functools.cache
 def verifier_template() -> str:
-    """The verifier prompt template shipped as package data (placeholders {question} {reference} {candidate})."""
+    """The shipped prompt template (placeholders {question} {reference} {candidate})."""
     return resources.files("rewards").joinpath("templates/verifier.txt").read_text(encoding="utf-8")
 
 
 def verifier_prompt(question: str, reference: str, candidate: str, template: str | None = None) -> str:
-    """The template (default: the shipped one) with the three fields filled in one pass. A regular expression,
-    not str.format: templates hold literal braces such as `\\boxed{X}`, and one pass means a field's text that
-    happens to contain "{reference}" is never substituted again."""
+    """The template (default: the shipped one) with the three fields filled in one regex pass: not str.format,
+    since templates hold literal braces (`\\boxed{X}`), and a field's own "{reference}" is never substituted."""
     template = verifier_template() if template is None else template
     missing = ", ".join(f"{{{name}}}" for name in ("question", "reference", "candidate")
                         if f"{{{name}}}" not in template)
@@ -48,8 +45,7 @@ def verifier_prompt(question: str, reference: str, candidate: str, template: str
 
 def last_boxed_span(text: str) -> tuple[int, int] | None:
     """(start, end) of the content of the last `\\boxed{...}` with balanced braces (at most 200 characters),
-    so text[end] is its closing brace; None when there is no such box. launch.distill cuts a teacher's
-    judgment line with it, so the boundary is the one the parser reads.
+    text[end] being its closing brace, or None (also launch.distill's cut of a teacher's judgment line).
 
     >>> text = "so \\\\boxed{\\\\text{A}} ."
     >>> start, end = last_boxed_span(text)
@@ -68,12 +64,8 @@ def last_boxed_span(text: str) -> tuple[int, int] | None:
     return None
 
 
-def last_marker(text: str) -> re.Match | None:
-    """The last "Final Judgment" marker (case-insensitive, "judgement" too), or None."""
-    return _last_match(_FINAL_JUDGMENT, text)
-
-
-def _last_match(pattern: re.Pattern, text: str) -> re.Match | None:
+def last_match(pattern: re.Pattern, text: str) -> re.Match | None:
+    """The last match of `pattern` in `text`, or None (FINAL_JUDGMENT: the last "Final Judgment" marker)."""
     last = None
     for last in pattern.finditer(text):
         pass
@@ -90,12 +82,12 @@ def parse_judgment(text: str) -> str | None:
         letter = _BOXED_LETTER.match(cleaned)
         if letter is not None:
             return letter.group(1)
-    marker = last_marker(text)
+    marker = last_match(FINAL_JUDGMENT, text)
     if marker is not None:
         bare = _BARE_LETTER.match(text, marker.end())
         if bare is not None:
             return bare.group(1)
-    last_tag = _last_match(_XVERIFY, text)
+    last_tag = last_match(_XVERIFY, text)
     if last_tag is not None:
         return "A" if last_tag.group(1).lower() == "correct" else "B"
     return None
@@ -123,8 +115,8 @@ def gold_judgment(ground_truth: object) -> str:
 
 
 def verifier_reward(data_source: str, solution_str: str, ground_truth: object, extra_info: dict | None = None) -> dict:
-    """1 when the parsed judgment is on the same side (A versus B/C) as the gold label, else 0 (and 0 when
-    nothing parses)."""
+    """score and correct: 1 when the parsed judgment is on the gold label's side of A versus B/C, else 0; parsed
+    (a judgment was found); judged_a, judged_b, judged_c (one-hot, 0 if unparsed)."""
     gold = gold_judgment(ground_truth)
     judged = parse_judgment(solution_str)
     correct = 1.0 if judged is not None and (judged == "A") == (gold == "A") else 0.0
