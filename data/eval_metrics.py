@@ -1,12 +1,10 @@
-"""Evaluation metrics per data source, as pure functions of completions and ground truths: the published
-tables' numbers for SciFact evidence, corpus-grounded factual QA and the answer verifier.
+"""Evaluation metrics per data source as pure functions: the published tables' numbers for SciFact evidence,
+corpus-grounded factual QA and the answer verifier, read with the rewards' own parsers.
 
-A record (one evaluated row): `{"data_source", "completion", "ground_truth", "extra_info" (optional),
-"completion_tokens" (optional), "finish_reason" (optional), "reward" (optional)}`. `score_example(record)`
-gives its per-example fields (what launch.eval writes to predictions.jsonl); `summarize(scored records)`
-aggregates them per data source. A rate whose denominator is empty is 0.0 (as in the official SciFact
-scorer's safe division), so every metric is a number. Completions and ground truths are read by the rewards'
-own parsers, so evaluation reads a completion exactly as training rewards it.
+A record: `{"data_source", "completion", "ground_truth"}` and optionally "extra_info", "completion_tokens",
+"finish_reason", "reward". score_example gives its per-example fields (launch.eval's predictions.jsonl);
+summarize aggregates them per data source. A rate over an empty denominator is 0.0 (the official SciFact
+scorer's safe division), so every metric is a number.
 """
 from __future__ import annotations
 
@@ -35,11 +33,9 @@ def _rate(numerator: float, denominator: float) -> float:
 
 
 def prefix_label(text: str) -> str | None:
-    """The label the reply STARTS with, or None: the prefix-constrained diagnostic for models that do not
-    write the answer block. Reasoning up to the last `</think>` is skipped; then only an `<answer>` tag,
-    markdown marks and an "Answer:"/"Label:"/"Verdict:" lead-in may come before the label word. A model
-    that echoes the instruction ("Does the text support or refute...") gets no label, where reading the
-    first label word anywhere would credit it with SUPPORTS."""
+    """The label the reply (after the last `</think>`) STARTS with, or None: the diagnostic for models that do not
+    write the answer block. Only an `<answer>` tag, markdown and an "Answer:"-like lead-in may precede it, so
+    a model echoing the instruction ("Does the text support or refute...") is not credited with SUPPORTS."""
     think_end = text.lower().rfind("</think>")
     reply = text[think_end + len("</think>"):] if think_end >= 0 else text
     match = _PREFIX_LABEL.match(reply.lstrip()[:_PREFIX_CHARS])
@@ -51,13 +47,10 @@ def prefix_label(text: str) -> str | None:
 
 
 def scifact_example(completion: str, ground_truth: object, *, relaxed: bool = False) -> dict:
-    """Per-example SciFact fields. The label (strict) is the `<answer>` block's when it is one of the three
-    after the reward's alias table, else None; relaxed: then prefix_label, which is always recorded too (the
-    diagnostic column). evidence_f1 is the reward's own evidence component (mean over the `<evidence>` block's
-    items of the best token F1 against a gold sentence, 0 when either side is empty); evidence_matched counts
-    exact matches (normalize_text equal, each gold sentence once). unsupported: a SUPPORTS/REFUTES label whose
-    evidence_f1 is below the reward's cap threshold (0.2), where the reward treats a decisive answer as
-    ungrounded."""
+    """Per-example SciFact fields. The label is the `<answer>` block's when it is one of LABELS after aliasing,
+    else None (relaxed: then prefix_label, recorded in any case). evidence_f1 is the reward's evidence
+    component; evidence_matched counts exact matches (normalize_text equal, each gold sentence once);
+    unsupported: a SUPPORTS/REFUTES label with evidence_f1 below the reward's cap threshold (ungrounded)."""
     gold_text, gold_evidence, gold_bags = parse_ground_truth(ground_truth)
     gold = gold_label(gold_text)
     answer, items, format_score, _ = completion_parts(completion)
@@ -76,12 +69,9 @@ def scifact_example(completion: str, ground_truth: object, *, relaxed: bool = Fa
 
 
 def scifact_metrics(examples: list[dict]) -> dict:
-    """answer_accuracy; evidence_f1: the mean of the reward's evidence token F1 over examples with gold
-    evidence (an NOT_ENOUGH_INFO claim has none to match); evidence_exact_precision / _recall / _f1:
-    exact-match sentence counts summed over every example (NOT_ENOUGH_INFO ones included, so evidence offered
-    for an NEI claim lowers precision), a paraphrase scoring 0; prefix_label_accuracy: prefix_label equals the
-    gold label; format_rate (both blocks and a valid label); unsupported_rate: unsupported examples over
-    SUPPORTS/REFUTES predictions; nei_rate (NOT_ENOUGH_INFO predictions over all); no_label_rate."""
+    """evidence_f1 is the mean over examples with gold evidence; evidence_exact_* sum exact matches over every
+    example (evidence offered for an NEI claim lowers precision; a paraphrase scores 0); unsupported_rate is
+    over SUPPORTS/REFUTES predictions; format_rate counts both blocks and a valid label."""
     count = len(examples)
     with_gold = [example["evidence_f1"] for example in examples if example["evidence_gold"]]
     matched = sum(example["evidence_matched"] for example in examples)
@@ -104,10 +94,8 @@ def scifact_metrics(examples: list[dict]) -> dict:
 
 
 def factqa_example(completion: str, ground_truth: object, *, relaxed: bool = False) -> dict:
-    """Per-example factual-QA fields. The answer is the `<answer>` block (relaxed: the whole completion
-    when there is no block, a lenient upper bound). Attempted: a non-empty answer that is not a refusal;
-    correct: the reward's judge accepts it (an alias equals, contains or is contained in it at word
-    boundaries); format_ok: the reward's `<think>`/`<answer>` format check."""
+    """Per-example factual-QA fields: the `<answer>` block (relaxed: else the whole completion, a lenient upper
+    bound), attempted (non-empty, not a refusal), correct (the reward's judge) and the reward's format check."""
     aliases = parse_aliases(ground_truth)
     answer = extract_block(completion, "answer")
     if relaxed and answer is None:
@@ -121,8 +109,8 @@ def factqa_example(completion: str, ground_truth: object, *, relaxed: bool = Fal
 
 
 def factqa_metrics(examples: list[dict]) -> dict:
-    """correct / incorrect / not_attempted rates over all (they sum to 1); precision = correct / attempted,
-    recall = correct / total (= correct_rate), f1 = 2PR/(P+R) (SimpleQA's F-score); format_rate."""
+    """correct / incorrect / not_attempted rates (they sum to 1); precision = correct / attempted, recall =
+    correct_rate, f1 = 2PR/(P+R) (SimpleQA's F-score); format_rate."""
     count = len(examples)
     correct = sum(example["correct"] for example in examples)
     attempted = sum(example["attempted"] for example in examples)
@@ -140,9 +128,8 @@ def factqa_metrics(examples: list[dict]) -> dict:
 
 def verifier_example(completion: str, ground_truth: object, extra_info: dict | None = None,
                      completion_tokens: int | None = None) -> dict:
-    """Per-example verifier fields: the parsed judgment (the reward's parser, already lenient, so relaxed
-    mode changes nothing here), correct when it is on the gold side of A versus B/C, the domain from
-    extra_info["domain"] (None when absent) and the judgment's length in tokens."""
+    """Per-example verifier fields: the reward's (lenient) parse, whether it is on the gold side of A versus B/C,
+    extra_info["domain"] (or None) and the judgment's length in tokens."""
     gold = gold_judgment(ground_truth)
     judged = parse_judgment(completion)
     domain = extra_info.get("domain") if isinstance(extra_info, dict) else None
@@ -152,8 +139,8 @@ def verifier_example(completion: str, ground_truth: object, extra_info: dict | N
 
 
 def verifier_metrics(examples: list[dict]) -> dict:
-    """accuracy; parse_rate (a judgment was found); judgment_tokens_mean (over examples with a length);
-    domain_accuracy {domain: accuracy} when any example has a domain (the others under "none")."""
+    """accuracy, parse_rate, judgment_tokens_mean (over examples with a length) and, when any example has a
+    domain, domain_accuracy {domain: accuracy} (the others under "none")."""
     count = len(examples)
     lengths = [example["judgment_tokens"] for example in examples if example["judgment_tokens"] is not None]
     metrics = {
@@ -186,9 +173,9 @@ TASK_METRICS = {SCIFACT: scifact_metrics, FACTQA: factqa_metrics, VERIFIER: veri
 
 
 def summarize(scored: Iterable[dict]) -> dict[str, dict]:
-    """{data_source: metrics} over records that carry score_example's fields, sources in order of first
-    appearance. Every source gets count, then its task metrics, then reward_mean / truncation_rate /
-    completion_tokens_mean when every one of its records has reward / finish_reason / completion_tokens."""
+    """{data_source: metrics} over records with score_example's fields, in order of first appearance: count, the
+    task metrics, then reward_mean / truncation_rate / completion_tokens_mean where every record has a reward /
+    finish_reason / completion_tokens."""
     groups: dict[str, list[dict]] = {}
     for record in scored:
         groups.setdefault(record["data_source"], []).append(record)

@@ -1,7 +1,5 @@
-"""Factual QA sets (NQ-Open, PopQA, SimpleQA, TruthfulQA, the learning-zone curriculum) to `factqa_corpus` rows.
-
-The ground truth is the gold aliases joined with `;` (a plain string, which the corpus-grounded recipe's
-string-match judge splits); the system prompt asks for `<think>...</think><answer>...</answer>`.
+"""Factual QA sets (NQ-Open, PopQA, SimpleQA, TruthfulQA, the learning-zone curriculum) to `factqa_corpus` rows:
+the ground truth is the gold aliases joined with `;`, the system prompt asks for `<think>` then `<answer>`.
 
     python -m data.factqa convert --input factqa/nq_open_validation.json --out nq.jsonl
     python -m launch.self_filter --input nq.jsonl --out nq_zone.jsonl --group-size 8   # the learning zone
@@ -48,11 +46,9 @@ def factqa_row(question: str, aliases: list[str], *, index: int, split: str, dat
 
 def convert_factqa(path: str | Path, *, split: str = "train", dataset: str | None = None,
                    start_index: int = 0) -> list[dict]:
-    """Rows from a `.json` array or `.jsonl` file of `{question, answer, aliases}` or `{question, answers, title}`.
-
-    The first form is NQ-Open/PopQA/SimpleQA/TruthfulQA (the answer leads the aliases); the second is the
-    learning-zone curriculum (`answers` and `title` are `;`-joined; the titles go to `extra_info["titles"]`).
-    """
+    """Rows from a `.json` array or `.jsonl` file of `{question, answer, aliases}` (NQ-Open, PopQA, SimpleQA,
+    TruthfulQA: the answer leads the aliases) or `{question, answers, title}` (the learning-zone curriculum,
+    `;`-joined; the titles go to `extra_info["titles"]`)."""
     path = Path(path)
     dataset = dataset or DATASET_NAMES.get(path.stem, path.stem)
     rows = []

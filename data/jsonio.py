@@ -1,7 +1,5 @@
-"""Careful JSON input and atomic output: every record keeps its file and line so a bad one is reported exactly.
-
-Converters read whole inputs through these functions before writing anything, and write through
-`atomic_write_text` / `atomic_path`, so a failure never leaves a half-written output file behind.
+"""Careful JSON input and atomic output: a bad record is reported by its file and line, and a failed write
+leaves no half-written file behind (converters read all their input before writing anything).
 """
 from __future__ import annotations
 
@@ -13,16 +11,15 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-# Far above any prompt a model in this project can take (~1M tokens of text); a longer line is almost
-# certainly a corrupt or wrong file, and reading it whole would only delay the error.
+# Far above any prompt a model here can take (~1M tokens of text): a longer line is a corrupt or wrong file.
 MAX_LINE_BYTES = 4 * 1024 * 1024
 _SPACE = re.compile(r"[ \t\r\n]*")  # JSON's whitespace
 
 
-def _excerpt(text: str, limit: int = 60) -> str:
+def _excerpt(text: str) -> str:
     """A short, printable start of `text` for an error message (never the whole 10 MB line)."""
     text = text.strip()
-    return repr(text[:limit] + ("..." if len(text) > limit else ""))
+    return repr(text[:60] + ("..." if len(text) > 60 else ""))
 
 
 def describe(value: Any) -> str:
@@ -52,20 +49,17 @@ def _decode(raw: bytes, path: Path, line_number: int) -> str:
                          f"{raw[error.start]:#04x}); is this a binary file?") from None
 
 
-def iter_jsonl(path: str | Path, *, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, dict]]:
-    """Yield `(line_number, object)` for each non-blank line of a JSONL file (line numbers are 1-based).
-
-    Fails with ValueError naming the file and line for: an empty file, a file with only blank lines,
-    binary junk, a line over `max_line_bytes`, invalid JSON, or a line that is not a JSON object.
-    """
+def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """`(line_number, object)` for each non-blank line of a JSONL file (1-based); ValueError naming the file and
+    line for an empty or blank file, binary junk, a line over MAX_LINE_BYTES, invalid JSON or a non-object."""
     path = Path(path)
     check_file(path)
     seen_any = False
     with open(path, "rb") as handle:
         for line_number, raw in enumerate(handle, start=1):
-            if len(raw) > max_line_bytes:
+            if len(raw) > MAX_LINE_BYTES:
                 raise ValueError(f"{path}:{line_number}: line is {len(raw):,} bytes, over the limit of "
-                                 f"{max_line_bytes:,} (corrupt file, or not JSONL?)")
+                                 f"{MAX_LINE_BYTES:,} (corrupt file, or not JSONL?)")
             text = _decode(raw, path, line_number)
             if line_number == 1:
                 text = text.removeprefix("\ufeff")  # a UTF-8 byte-order mark, as some Windows editors write
@@ -85,58 +79,47 @@ def iter_jsonl(path: str | Path, *, max_line_bytes: int = MAX_LINE_BYTES) -> Ite
 
 
 def read_json_array(path: str | Path) -> list[tuple[int, dict]]:
-    """Read a file holding one JSON array of objects; return `(line_number, object)` per element.
-
-    The line number is where the element starts, found by decoding the array one element at a time,
-    so a bad record in a 14,000-element file is reported by its line, not by a position in a list.
-    """
+    """`(line_number, object)` per element of a file holding one JSON array of objects: the line where the
+    element starts (the array is decoded one element at a time), so a bad record is reported by its line."""
     path = Path(path)
     check_file(path)
     raw = path.read_bytes()
-    # Report binary junk by line, like iter_jsonl.
-    for line_number, raw_line in enumerate(raw.split(b"\n"), start=1):
+    for line_number, raw_line in enumerate(raw.split(b"\n"), start=1):  # binary junk by line, as iter_jsonl
         _decode(raw_line, path, line_number)
     text = raw.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark is not JSON, but is common
-    decoder = json.JSONDecoder()
     line, counted = 1, 0
 
-    def line_of(position: int) -> int:
-        # Counted on from the previous call (positions only grow): counting from 0 each time is quadratic.
+    def line_of(position: int) -> int:  # counted on from the previous call (positions only grow), not from 0
         nonlocal line, counted
-        line += text.count("\n", counted, position)
-        counted = position
+        line, counted = line + text.count("\n", counted, position), position
         return line
 
-    def skip_space(position: int) -> int:
-        return _SPACE.match(text, position).end()
-
-    position = skip_space(0)
+    position = _SPACE.match(text).end()
     if position == len(text):
         raise ValueError(f"{path}: the file is empty (only whitespace)")
     if text[position] != "[":
         raise ValueError(f"{path}:{line_of(position)}: expected a JSON array starting with '[', got "
                          f"{_excerpt(text[position:])}")
-    records: list[tuple[int, dict]] = []
-    position = skip_space(position + 1)
+    position = _SPACE.match(text, position + 1).end()
     if text.startswith("]", position):
         raise ValueError(f"{path}: the JSON array is empty")
-    while True:
-        start = position
+    records: list[tuple[int, dict]] = []
+    separator = ","
+    while separator == ",":
         try:
-            element, position = decoder.raw_decode(text, start)
+            element, end = json.JSONDecoder().raw_decode(text, position)
         except json.JSONDecodeError as error:
             raise ValueError(f"{path}:{error.lineno}: invalid JSON ({error.msg} at column {error.colno})") from None
         if not isinstance(element, dict):
-            raise ValueError(f"{path}:{line_of(start)}: expected a JSON object, got {type(element).__name__}")
-        records.append((line_of(start), element))
-        position = skip_space(position)
-        if text.startswith("]", position):
-            break
-        if not text.startswith(",", position):
+            raise ValueError(f"{path}:{line_of(position)}: expected a JSON object, got {type(element).__name__}")
+        records.append((line_of(position), element))
+        position = _SPACE.match(text, end).end()
+        separator = text[position:position + 1]
+        if separator not in (",", "]"):
             raise ValueError(f"{path}:{line_of(position)}: expected ',' or ']' after an array element")
-        position = skip_space(position + 1)
-    if skip_space(position + 1) != len(text):
-        raise ValueError(f"{path}:{line_of(position + 1)}: extra data after the JSON array")
+        position = _SPACE.match(text, position + 1).end()
+    if position != len(text):
+        raise ValueError(f"{path}:{line_of(position)}: extra data after the JSON array")
     return records
 
 
@@ -163,7 +146,7 @@ def require(record: dict, key: str, expected: type | tuple[type, ...], where: st
 
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; on success it replaces `path` in one rename, on failure it is removed."""
+    """A temporary path beside `path` that replaces it in one rename on success and is removed on failure."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -184,8 +167,8 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 
 def exit_on_bad_input(main: Callable[[list[str] | None], None]) -> Callable[[list[str] | None], None]:
-    """For a data command's main(argv): bad input, a ValueError or FileNotFoundError whose message names the
-    file, line and field, ends the command with `error: MESSAGE` (exit status 1) instead of a traceback."""
+    """For a data command's main(argv): bad input (a ValueError or FileNotFoundError naming the file, line and
+    field) ends it with `error: MESSAGE` and exit status 1 instead of a traceback."""
     @functools.wraps(main)
     def checked(argv: list[str] | None = None) -> None:
         try:

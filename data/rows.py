@@ -23,8 +23,7 @@ COLUMNS = ("prompt", "data_source", "ability", "reward_model", "extra_info")
 
 def make_row(messages: list[dict[str, str]], *, data_source: str, ability: str, ground_truth: str, index: int,
              split: str, **extra_info: Any) -> dict:
-    """One row in the project's layout; keyword arguments beyond the named ones go to `extra_info` after its
-    index and split."""
+    """One row; further keyword arguments go to `extra_info` after its index and split."""
     row = {"prompt": [dict(message) for message in messages], "data_source": data_source, "ability": ability,
            "reward_model": {"ground_truth": ground_truth}, "extra_info": {"index": index, "split": split, **extra_info}}
     validate_row(row, "make_row")
@@ -50,10 +49,8 @@ def validate_row(row: Any, where: str) -> None:
                 raise ValueError(f"{where}: field {field}.{key} must be a string, got {describe(message.get(key))}")
         if message["role"] not in ROLES:
             raise ValueError(f"{where}: field {field}.role is {message['role']!r}; expected one of {ROLES}")
-    for key in ("data_source", "ability"):
-        if key == "ability" and key not in row:
-            continue  # verl rows always carry it, but nothing in this project needs it
-        if not isinstance(row.get(key), str) or not row[key]:
+    for key in ("data_source", "ability"):  # verl rows always carry an ability, but nothing here needs it
+        if (key in row or key == "data_source") and (not isinstance(row.get(key), str) or not row[key]):
             raise ValueError(f"{where}: field {key!r} must be a non-empty string, got {describe(row.get(key))}")
     reward_model = row.get("reward_model")
     if not isinstance(reward_model, dict):
@@ -103,11 +100,8 @@ def read_rows(path: str | Path) -> list[dict]:
 
 
 def write_rows(rows: list[dict], path: str | Path) -> None:
-    """Validate every row, then write them all to `.jsonl` or `.parquet` in one atomic rename.
-
-    Parquet stores `extra_info` as one struct over the keys of all rows, so a key that only some rows
-    have reads back as None in the others (JSONL keeps each row exactly).
-    """
+    """Validate every row, then write them all to `.jsonl` or `.parquet` in one atomic rename. Parquet stores
+    `extra_info` as one struct over all rows' keys: a key only some rows have reads back as None in the others."""
     path = Path(path)
     file_format = _format_of(path)
     if not rows:

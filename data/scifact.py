@@ -1,12 +1,10 @@
-"""SciFact's claim/evidence task as rows (the generated task, data/synthetic.py, uses them too), and the official
+"""SciFact's claim/evidence task as rows (data/synthetic.py's generated task uses them too), and the official
 release files converted to them: `python -m data.scifact --input DIR --out DIR`.
 
-The model sees a claim and numbered sentences and answers
-`<answer>\\nLABEL\\n</answer>\\n\\n<evidence>\\n[1] sentence\\n...\\n</evidence>`, which the
-`scifact_evidence` reward (rewards/) parses; the ground truth is `{"answer": LABEL, "evidence": [sentences]}`.
-Per claim of the release: the first evidence document and its first rationale set (SUPPORT -> SUPPORTS,
-CONTRADICT -> REFUTES); a claim with no evidence gets its first cited document and NOT_ENOUGH_INFO. The
-official test split hides its labels, so it is refused: it has no ground truth to train or evaluate on.
+The model sees a claim and numbered sentences and answers in the `scifact_evidence` reward's protocol; the
+ground truth is `{"answer": LABEL, "evidence": [sentences]}`. Per claim of the release: the first evidence
+document and its first rationale set (SUPPORT -> SUPPORTS, CONTRADICT -> REFUTES); a claim without evidence
+gets its first cited document and NOT_ENOUGH_INFO. The test split hides its labels, so it is refused.
 """
 from __future__ import annotations
 
@@ -46,37 +44,22 @@ def _one_line(text: str) -> str:
 
 
 def evidence_prompt(claim: str, title: str, sentences: list[str]) -> str:
-    """The user message: the claim, the title, every sentence as `[i] sentence` (0-based), then the instructions.
-
-    >>> print(evidence_prompt("Sky is blue.", "Colours", ["The sky is blue.", "Grass is green."]).split("Does")[0])
-    Claim: Sky is blue.
-    <BLANKLINE>
-    Title: Colours
-    [0] The sky is blue.
-    [1] Grass is green.
-    <BLANKLINE>
-    <BLANKLINE>
-    """
+    """The user message: the claim, the title, the sentences numbered from 0, then INSTRUCTIONS."""
     numbered = "\n".join(f"[{i}] {_one_line(sentence)}" for i, sentence in enumerate(sentences))
     return f"Claim: {_one_line(claim)}\n\nTitle: {_one_line(title)}\n{numbered}\n\n{INSTRUCTIONS}"
 
 
 def evidence_target(label: str, evidence: list[str]) -> str:
-    """The completion to imitate; NOT_ENOUGH_INFO (or no evidence) gives an empty `<evidence>` block.
-
-    >>> evidence_target("SUPPORTS", ["The sky is blue."])
-    '<answer>\\nSUPPORTS\\n</answer>\\n\\n<evidence>\\n[1] The sky is blue.\\n</evidence>'
-    """
+    """The completion to imitate (NOT_ENOUGH_INFO, without evidence, has an empty `<evidence>` block)."""
     lines = "".join(f"[{k}] {_one_line(sentence)}\n" for k, sentence in enumerate(evidence, start=1))
     return f"<answer>\n{label}\n</answer>\n\n<evidence>\n{lines}</evidence>"
 
 
 def evidence_row(claim: str, title: str, sentences: list[str], label: str, evidence_indices: list[int], *,
                  index: int, split: str, **extra_info) -> dict:
-    """A complete `scifact_evidence` row: the prompt, the ground truth `{"answer": label, "evidence":
-    [sentence, ...]}` as JSON text, and in `extra_info` the SFT target, the label, the evidence indices (0-based
-    into `sentences`; the evidence is listed in reading order) and any extras. NOT_ENOUGH_INFO takes no
-    evidence, the other labels at least one sentence."""
+    """A `scifact_evidence` row: the prompt, the ground truth as JSON text, and in `extra_info` the SFT target,
+    the label, the evidence indices (0-based into `sentences`, listed in reading order) and any extras.
+    NOT_ENOUGH_INFO takes no evidence, the other labels at least one sentence."""
     if label not in LABELS:
         raise ValueError(f"label {label!r} is not one of {LABELS}")
     if label == "NOT_ENOUGH_INFO" and evidence_indices:

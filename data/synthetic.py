@@ -1,12 +1,10 @@
 """A generated claim/evidence task about invented companies: `python -m data.synthetic --n 200 --seed 0 --out FILE`.
 
-Each example shows 3-4 short sentences, each stating one attribute (founding year, city, staff, product,
-leader, logo colour) of an invented company, and a claim about one company's attribute:
-SUPPORTS when a sentence states that attribute with the same value, REFUTES when it states a different value,
-NOT_ENOUGH_INFO when no sentence states it (the company itself still appears, with another attribute, so
-the label cannot be read off the name alone). The label is always decidable from one sentence, which is the
-gold evidence. Rows use the SciFact prompt and `scifact_evidence` reward, so the demo exercises the real
-pipeline; the facts are invented, so no model knows them in advance.
+Each example shows 3-4 sentences, each stating one attribute (founding year, city, staff, product, leader, logo
+colour) of an invented company, and a claim about one company's attribute: SUPPORTS when a sentence states it
+with the same value, REFUTES with another value, NOT_ENOUGH_INFO when none states it (the company still
+appears, with another attribute, so the name alone does not decide). The one deciding sentence is the gold
+evidence. Rows use the SciFact prompt and reward, so the demo runs the real pipeline on facts no model knows.
 """
 from __future__ import annotations
 
@@ -44,7 +42,6 @@ TITLE = "Company records"
 
 
 def _entities(rng: random.Random, count: int) -> list[str]:
-    """`count` distinct invented company names."""
     names: set[str] = set()
     while len(names) < count:
         names.add(f"{rng.choice(FIRST_SYLLABLES)}{rng.choice(SECOND_SYLLABLES)} {rng.choice(KINDS)}")

@@ -1,11 +1,9 @@
 """Answer-verifier data to `verifier` rows: `python -m data.verifier --input FILE --out FILE`.
 
-Input JSONL: `{question, gold_answer, llm_response, gold_judgment}` (optional `domain`), where the judgment is
-A (correct / equivalent), B (incorrect) or C (incomplete, repetitive or a refusal), or true/false (A/B), read
-by the reward's own rewards.verifier.gold_judgment. The prompt is the rewards package's verifier template (or
-one given) with the question, the gold answer as `{reference}` and the response as `{candidate}`. The ground
-truth is the letter; the verifier reward scores A against B/C. Training sets are rebalanced 1:1 between
-correct (A) and incorrect (B or C), since a verifier trained on a skewed set learns the majority label.
+Input JSONL: `{question, gold_answer, llm_response, gold_judgment}` (optional `domain`), the judgment A (correct),
+B (incorrect), C (incomplete or a refusal) or true/false, read by the reward's gold_judgment. The prompt is the
+verifier template filled with the question, the gold answer and the response; the ground truth is the letter.
+Training sets are rebalanced 1:1 between A and B/C: a verifier trained on a skewed set learns the majority.
 """
 from __future__ import annotations
 
