@@ -314,6 +314,10 @@ class TrainerConfig(Section):
     """Keep only the newest K complete checkpoints (0: all)."""
     resume: str = choice("never", RESUMES)
     """never; auto: from the latest complete checkpoint when there is one (torchrun --max-restarts); always."""
+    resume_changes: list[str] = field(default_factory=list)
+    """Settings a resume may change from the run's recorded ones, e.g. [optim.lr]; other differences are refused."""
+    overwrite: bool = False
+    """A fresh run in a directory holding an earlier run's checkpoints removes them first (false: refused)."""
     collective_timeout_s: float = bounded(1800.0, 0, low_open=True)
     """Seconds a collective may wait for the other ranks before the run fails naming phase, step and rank."""
     nccl_blocking_wait: bool = True
@@ -366,6 +370,47 @@ class Config(Section):
 
 
 # --- The rules that relate settings -------------------------------------------------------------------------
+
+# What a resume may change without naming it in trainer.resume_changes: how the run is executed, evaluated, logged
+# and checkpointed, and its length; every other setting defines what the checkpoint's run trains.
+RESUME_FREE = ("trainer.steps", "trainer.resume", "trainer.resume_changes", "trainer.overwrite", "trainer.save_every",
+               "trainer.keep_last", "trainer.collective_timeout_s", "trainer.nccl_blocking_wait", "trainer.out_dir",
+               "trainer.run_name", "trainer.wandb_project", "trainer.max_consecutive_skips", "trainer.warn_after_steps",
+               "trainer.warn_truncation", "trainer.warn_flat_groups", "trainer.eval_every", "trainer.eval_before",
+               "trainer.eval_max_new_tokens", "trainer.eval_batch_size", "trainer.keep_freed_memory",
+               "rollout.num_threads", "rollout.sync_bucket_mb", "rollout.sync_timeout_s", "rollout.vllm_kv_cache_mb",
+               "rollout.vllm_gpu_memory_utilization", "rollout.enforce_eager", "reward.num_workers",
+               "reward.timeout_s", "model.gradient_checkpointing", "model.logprob_chunk_size", "data.eval_files",
+               "data.eval_size")
+
+
+def resume_differences(cfg: Config, recorded: dict) -> list[str]:
+    """"key: recorded -> now" for every setting that defines the run (not in RESUME_FREE or
+    trainer.resume_changes) and differs from `recorded` (a config.yaml the run wrote); ConfigError for a name
+    in trainer.resume_changes that is no setting."""
+    def leaves(section, prefix=""):
+        for spec in fields(section):
+            value = getattr(section, spec.name)
+            if isinstance(value, Section):
+                yield from leaves(value, f"{prefix}{spec.name}.")
+            else:
+                yield f"{prefix}{spec.name}", value
+
+    now = dict(leaves(cfg))
+    unknown = [key for key in cfg.trainer.resume_changes if key not in now]
+    if unknown:
+        raise ConfigError(f"trainer.resume_changes: {unknown} name no setting (e.g. optim.lr)")
+    differences = []
+    for key, value in now.items():
+        if key in RESUME_FREE or key in cfg.trainer.resume_changes:
+            continue
+        old = recorded
+        for part in key.split("."):
+            old = old.get(part) if isinstance(old, dict) else None
+        if old != value:
+            differences.append(f"{key}: {old!r} -> {value!r}")
+    return differences
+
 
 GSPO_AGGREGATION = "seq-mean-token-mean"
 # A sequence-level ratio (GSPO) moves by the MEAN token log-ratio, a few 1e-4 per update: a clip range meant

@@ -9,11 +9,11 @@ from collections.abc import Sequence
 
 import torch
 
-from grpo.scoring import Scorer, correctness, format_success
+from grpo.scoring import Scorer, correctness
 from grpo.stats import mean_interval
 
-# Per-prompt values every evaluation keeps, besides the reward's own numeric components ("evidence", ...).
-BASE_METRICS = ("reward", "acc", "format")
+# Per-prompt values every evaluation keeps, besides the reward's own numeric components ("format", "evidence", ...).
+BASE_METRICS = ("reward", "acc")
 
 
 def greedy_completions(engine, prompt_ids: Sequence[list[int]], *, max_new_tokens: int, batch_size: int = 16) -> list:
@@ -30,11 +30,10 @@ def greedy_completions(engine, prompt_ids: Sequence[list[int]], *, max_new_token
 
 
 def score_record(scorer: Scorer, row: dict, text: str, position: int = 0) -> dict[str, float]:
-    """One completion's held-out values: reward, acc (0/1), format (NaN when the reward has none), and every
-    numeric component of the reward."""
+    """One completion's held-out values: reward, acc (0/1), and every numeric component of the reward (its
+    "format" among them, when it has one)."""
     result = scorer.result(row, text, position)
-    values = {"reward": result["score"], "acc": correctness(result, result["score"], scorer.correct_threshold),
-              "format": format_success(result)}
+    values = {"reward": result["score"], "acc": correctness(result, result["score"], scorer.correct_threshold)}
     values.update({key: float(value) for key, value in result.items()
                    if key not in ("score", "sentences") and isinstance(value, (int, float, bool))})
     return values

@@ -169,6 +169,9 @@ def train_rl(parts: Parts, dist) -> dict:
         metrics = reduce_metrics(step_metrics(batch, prepared.rewards, cfg.rollout.n, result.records, times,
                                               grad_norm=result.grad_norm, lr=lr, skipped=float(skips > 0),
                                               sync_info=sync_info, step=step), dist)
+        # Each rank's share of a loss divided by the whole step's count: their sum is the step's loss.
+        metrics["loss"] = float(dist.all_reduce_sum(torch.tensor(result.loss, dtype=torch.float64,
+                                                                  device=dist.device)))
         if (after := held_out(parts, step + 1, start)) is not None:
             results["after"] = after
             if cfg.trainer.eval_every:  # a point of the held-out curve

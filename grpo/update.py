@@ -294,13 +294,14 @@ class UpdateResult:
     records: list[dict]  # one per micro-batch update that ran (epoch 0 first): loss metrics and "tokens"
     grad_norm: float  # of the last optimizer step
     skips: int  # consecutive skipped optimizer steps after this update
+    loss: float  # this rank's share of the mean loss of the optimizer steps (summed over ranks, the loss)
 
 
 def update(parts, prepared: Prepared, dist, *, step: int, skips: int) -> UpdateResult:
     """Train on one prepared rollout. A mini-batch with nothing to train on any rank (only DAPO filler groups)
     takes no step: AdamW would still move the weights on its momentum."""
     cfg, model = parts.cfg, parts.policy.model
-    records, grad_norm = [], 0.0
+    records, grad_norm, losses = [], 0.0, []
     for epoch in range(cfg.algorithm.ppo_epochs):
         for mini in prepared.mini_batches:
             if mini.denominator == 0:
@@ -324,4 +325,5 @@ def update(parts, prepared: Prepared, dist, *, step: int, skips: int) -> UpdateR
                 records.append(record | prepared.metrics)
             grad_norm, skips = optimizer_step(parts.policy, cfg, dist, parts.log, step=step, loss=loss_sum,
                                               skips=skips)
-    return UpdateResult(records, grad_norm, skips)
+            losses.append(loss_sum)
+    return UpdateResult(records, grad_norm, skips, sum(losses) / max(len(losses), 1))

@@ -30,8 +30,9 @@ def train(config: str | os.PathLike | Mapping | None = None, *, overrides: Seque
     config:     a recipe path (launch/configs/*.yaml), a dict of its sections, or None for the defaults.
     overrides:  `key.sub=value` strings, as on the command line.
     rewards:    fn(data_source, solution_str, ground_truth, extra_info=None) -> float or dict, registered for
-                every data_source of the rows; or {data_source: fn}. Rewards defined in code run in this process
-                (reward.num_workers must stay 0: a worker process cannot import them).
+                every data_source of the rows, for this run only; or {data_source: fn}. With reward.num_workers a
+                module-level function reaches the workers, which import the caller's script: call train under
+                `if __name__ == "__main__":` there.
     train_rows, eval_rows: verl-format rows ({"prompt": [{"role": "user", "content": ...}], "data_source": ...,
                 "reward_model": {"ground_truth": ...}, "extra_info": {...}}) instead of data.train_files /
                 data.eval_files.

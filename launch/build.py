@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,16 +203,25 @@ def _training(cfg: Config, dist: DistInfo, prepared: Prepared, run_dir: Path, sc
                 rollout.start(checkpoints.start_step, positions[::dist.world_size // cfg.rollout.num_ranks])
             else:  # the policy may hold resumed or initial weights the engine does not
                 rollout.sync_weights()
+    start = checkpoints.start_step
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        # Lines of steps after the checkpoint are redone; a run that starts at step 0 (resume=never, or no
-        # checkpoint yet) replaces the logs of any earlier run in the same directory instead of appending to them.
-        truncate_metrics_file(run_dir, checkpoints.start_step)
-    log = RunLog(run_dir, total_steps=cfg.trainer.steps, start_step=checkpoints.start_step, enabled=dist.is_main,
+        if start == 0:  # a fresh run: an earlier run's checkpoints go only with trainer.overwrite (preflight)
+            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+            for earlier in run_dir.glob("config_step_*.yaml"):
+                earlier.unlink()
+        # The settings of every start, beside the first (a resume compares with the latest: launch.preflight).
+        name = "config.yaml" if start == 0 else f"config_step_{start}.yaml"
+        (run_dir / name).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        # Lines of steps after the checkpoint are redone; a run that starts at step 0 replaces the logs of an earlier
+        # run in the same directory instead of appending to them.
+        truncate_metrics_file(run_dir, start)
+    log = RunLog(run_dir, total_steps=cfg.trainer.steps, start_step=start, enabled=dist.is_main,
                  description=cfg.stage, wandb_project=cfg.trainer.wandb_project, config=to_dict(cfg))
     for warning in prepared.warnings:
         log.warn(warning)
+    if prepared.latest is not None:
+        log.info(f"resumed from {prepared.latest} (step {start} of {cfg.trainer.steps})")
     tokenizer = prepared.tokenizer
     parts = Parts(cfg=cfg, policy=policy, rollout=rollout, log=log, checkpoints=checkpoints,
                   pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 
 import rewards
 from data.rows import read_rows, validate_row
-from grpo.config import Config, ConfigError, startup_warnings
+from grpo.config import Config, ConfigError, resume_differences, startup_warnings
 from launch.plan import Target, check_plan
 from models import load_tokenizer, render_prompt, resolve_model_dir
-from models.checkpoint import latest_checkpoint
+from models.checkpoint import complete_checkpoints
 from rewards.corpus import check_index
 from rollout.vllm_engine import check_vllm_version
 
@@ -145,6 +146,43 @@ def _sft_examples(cfg: Config, tokenizer, rows: list[dict], prompt_ids: list[lis
     return examples
 
 
+def recorded_settings(run_dir: Path, step: int) -> tuple[Path, dict] | None:
+    """The settings the run recorded when it started (config.yaml) or last resumed before `step`
+    (config_step_<n>.yaml), with their file; None when it recorded none."""
+    recorded = [(0, run_dir / "config.yaml")] + [(int(path.stem.rpartition("_")[2]), path)
+                                                  for path in run_dir.glob("config_step_*.yaml")]
+    recorded = [(start, path) for start, path in recorded if start <= step and path.is_file()]
+    if not recorded:
+        return None
+    path = max(recorded)[1]
+    return path, yaml.safe_load(path.read_text()) or {}
+
+
+def _check_run_directory(cfg: Config, run_dir: Path) -> Path | None:
+    """The checkpoint to resume from (trainer.resume), or None for a fresh start. A fresh run never mixes with an
+    earlier run's checkpoints (refused unless trainer.overwrite), and a resume continues the run that wrote its
+    checkpoint: the settings that define a run must equal those it recorded (or be listed in
+    trainer.resume_changes)."""
+    complete = complete_checkpoints(run_dir / "checkpoints")
+    if cfg.trainer.resume == "always" and not complete:
+        raise ConfigError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'} (trainer.resume=always)")
+    if cfg.trainer.resume == "never" or not complete:
+        if complete and not cfg.trainer.overwrite:
+            raise ConfigError(f"{run_dir} holds checkpoints of an earlier run (up to {complete[-1][1].name}): continue "
+                              f"it with --resume (or trainer.resume=auto), start this run under another "
+                              f"trainer.run_name, or set trainer.overwrite=true to remove them first")
+        return None
+    step, latest = complete[-1]
+    recorded = recorded_settings(run_dir, step)
+    differences = resume_differences(cfg, recorded[1]) if recorded else []
+    if differences:
+        raise ConfigError(f"resuming {latest}: settings differ from the run's ({recorded[0]}): "
+                          f"{'; '.join(differences)}. List the ones you mean to change in trainer.resume_changes "
+                          f"(e.g. trainer.resume_changes=[{differences[0].split(':')[0]}]), or start a new run under "
+                          f"another trainer.run_name")
+    return latest
+
+
 @dataclass(frozen=True)
 class Prepared:
     """What the checks produced, for launch/build.py."""
@@ -164,10 +202,7 @@ def prepare(cfg: Config, dist, *, rows: list[dict] | None = None, eval_rows: lis
     """Every check a start makes before the model loads; ConfigError naming the key, file or row otherwise.
     rows / eval_rows: given in memory instead of data.train_files / data.eval_files (check_config)."""
     rows, eval_rows = check_config(cfg, dist, rows=rows, eval_rows=eval_rows)
-    directory = Path(cfg.trainer.out_dir) / cfg.trainer.run_name / "checkpoints"
-    latest = latest_checkpoint(directory) if cfg.trainer.resume != "never" else None
-    if cfg.trainer.resume == "always" and latest is None:
-        raise ConfigError(f"--resume: no complete checkpoint under {directory} (trainer.resume=always)")
+    latest = _check_run_directory(cfg, Path(cfg.trainer.out_dir) / cfg.trainer.run_name)
     # A resumed run rebuilds the model from where the run started; the checkpointer (which verifies every file
     # first) then restores the weights, so a damaged checkpoint is refused before anything is loaded.
     source = cfg.init_from or cfg.model.name_or_path

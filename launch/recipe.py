@@ -36,6 +36,8 @@ def _coerce(value, tp, key: str):
                 errors.append(str(error))
         raise ConfigError(errors[0])
     if origin is list:
+        if isinstance(value, str) and args[0] is str:
+            value = [value]  # data.train_files=/path.jsonl: a one-file list
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]

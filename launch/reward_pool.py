@@ -1,23 +1,14 @@
 """The run's reward functions, built once from the `reward` section (`reward_functions`): reward.functions
-registered by path, the corpus index exported to the factqa_corpus reward, that reward built with the configured
-triple extractor and window definition, and optionally worker processes that score a step's completions
-concurrently. grpo.scoring.Scorer stays the one place a completion is scored: it receives the results of this
-module as its `compute_score` (one call) and `compute_scores` (a batch), and names the row.
+registered by path, the corpus index exported to the factqa_corpus reward, that reward with the configured triple
+extractor (a local causal LM is assembled here: rewards know no model) and window definition, and optionally
+worker processes. grpo.scoring.Scorer stays the one place a completion is scored and a failure names its row.
 
-Rewards know no model (docs/conventions.md, "Where code lives"), so the model-based triple extractor is assembled
-here: a local causal LM decoded greedily by rollout.hf_engine.HFEngine, handed to
-rewards.triples.ModelTripleExtractor as a plain `generate_fn(prompt) -> str`.
-
-Worker processes (reward.num_workers): a call that runs past reward.timeout_s is abandoned (its worker killed, a
-new one started for the next call) and a worker that dies is an error naming its process and exit code.
-
-Workers are started by a fork server ("forkserver"): forking the training process, which holds torch threads, a
-process group or CUDA, is not safe; the fork server is a fresh single-threaded process that imports the rewards
-once (and no torch), so starting or replacing a worker then takes milliseconds, not a new interpreter's seconds.
-Each worker rebuilds the reward registry from the config, as the training process did (reward.functions by path,
-the corpus index through the environment, the factqa_corpus extractor), and reports at start-up which function
-each data source resolves to; a difference from this process (a reward registered in code only, which a new
-process cannot see) fails at start-up instead of scoring with another function.
+Workers (reward.num_workers) score a step's completions concurrently; a call past reward.timeout_s is abandoned
+(its worker killed, a new one started for the next call) and a worker that dies is an error naming its process
+and exit code. They are forked by a fork server, a fresh single-threaded process that imports the rewards once
+and no torch (forking the training process, with its threads, process group or CUDA, is not safe). Each worker
+rebuilds the registry from the config and reports which function each data source resolves to; a difference
+from this process (a reward registered in code only, which a new process cannot see) fails at start-up.
 """
 from __future__ import annotations
 
@@ -25,7 +16,9 @@ import dataclasses
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -51,19 +44,38 @@ class RewardTimeout(TimeoutError):
 
 
 def function_identity(function) -> str:
-    """module.qualname: what a data source resolves to, comparable across processes."""
-    return f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', repr(function))}"
+    """module.qualname: what a data source resolves to, comparable across processes (a worker imports the main
+    script as __mp_main__)."""
+    module = getattr(function, "__module__", "?").replace("__mp_main__", "__main__")
+    return f"{module}.{getattr(function, '__qualname__', repr(function))}"
 
 
-def _serve(connection, reward: dict, data_sources: list[str]) -> None:
+def _shippable(functions: dict) -> dict:
+    """The rewards a worker can receive by reference (module-level functions: a lambda or a nested function
+    cannot be pickled, and must be named by path in reward.functions)."""
+    shippable = {}
+    for source, function in functions.items():
+        try:
+            pickle.dumps(function)
+            shippable[source] = function
+        except (pickle.PicklingError, AttributeError, TypeError):
+            pass
+    return shippable
+
+
+def _serve(connection, reward: dict, data_sources: list[str], functions: dict) -> None:
     """A worker's life: rebuild the registry from the reward section (as a dict: unpickling a RewardConfig would
-    import torch), report it, then score calls until told to stop (None) or the training process is gone (EOF)."""
+    import torch) and the functions the training process resolved (a reward defined in code in a script's
+    module arrives by reference), report it, then score calls until told to stop (None) or the training process
+    is gone (EOF)."""
     # Ctrl-C and a scheduler's SIGTERM reach the whole process group: the training process finishes its step
     # (which may still need this worker) and then closes the pool.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         register_functions(reward["functions"], reward["corpus_index"])
+        for source, function in functions.items():
+            rewards.register(source, function, overwrite=True)
         identities = {source: function_identity(rewards.get_reward(source)) for source in data_sources}
         if (reward["triple_extractor"], reward["cooccurrence_semantics"]) != ("rule", "engine"):
             from grpo.config import RewardConfig  # not the registered default: build it here too (imports torch)
@@ -97,6 +109,17 @@ class _Worker:
         self.connection.close()
 
 
+def _check_main_guard(num_workers: int) -> None:
+    """The fork server imports the main script to start workers (as the parent's __mp_main__): a script that
+    trains at import, outside `if __name__ == "__main__":`, would train again there. Refused with that advice."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path and os.path.isfile(path) and "__main__" not in open(path, encoding="utf-8", errors="replace").read():
+        from grpo.config import ConfigError  # grpo.config imports torch, which the workers do not need
+        raise ConfigError(f"reward.num_workers={num_workers} starts worker processes that import {path} again: put "
+                          f"its training call under `if __name__ == \"__main__\":` (or set reward.num_workers=0)")
+
+
 def _remote_error(message: str, remote_traceback: str) -> RewardWorkerError:
     error = RewardWorkerError(message)
     error.add_note(f"in the reward worker:\n{remote_traceback}")
@@ -108,6 +131,7 @@ class RewardPool:
 
     def __init__(self, reward: RewardConfig, data_sources: Sequence[str]):
         self.reward, self.data_sources = reward, sorted(set(data_sources))
+        self.functions = _shippable({source: rewards.get_reward(source) for source in self.data_sources})
         self.context = multiprocessing.get_context("forkserver")
         # The fork server imports the rewards once (not the main module, which may import torch and CUDA).
         self.context.set_forkserver_preload(["rewards", "launch.reward_pool"])
@@ -115,6 +139,7 @@ class RewardPool:
 
     def start(self) -> dict[str, str]:
         """Start every worker (in parallel) and return {data_source: function identity} as the workers see it."""
+        _check_main_guard(self.reward.num_workers)
         identities = {}
         for worker in self._spawn_missing():
             identities = self._await_ready(worker)
@@ -125,8 +150,8 @@ class RewardPool:
         for slot, worker in enumerate(self.workers):
             if worker is None or not worker.process.is_alive():
                 here, there = self.context.Pipe()
-                process = self.context.Process(target=_serve, args=(there, dataclasses.asdict(self.reward), self.data_sources),
-                                               name=f"reward-worker-{slot}", daemon=True)
+                process = self.context.Process(target=_serve, name=f"reward-worker-{slot}", daemon=True, args=(
+                    there, dataclasses.asdict(self.reward), self.data_sources, self.functions))
                 process.start()
                 there.close()  # the worker holds its end: EOF here means the worker is gone
                 self.workers[slot] = _Worker(process, here)

@@ -18,8 +18,10 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import yaml
@@ -202,11 +204,19 @@ def main(argv=None) -> int:
                   f"{summary['run_dir']}/checkpoints (continue with --resume or trainer.resume=auto)", file=sys.stderr)
             return 128 + summary["signal"]
         if dist.is_main:
-            print(json.dumps({k: summary[k] for k in ("run_dir", "before", "after")}, indent=1))
+            print(json.dumps({"run_dir": summary["run_dir"], **{moment: summary[moment].get("means", {})
+                                                                  for moment in ("before", "after")}}, indent=1))
         return 0
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
+    except RunFailed as error:
+        # The one line that says what failed, where and when; the traceback goes to a file beside the run's logs.
+        path = Path(cfg.trainer.out_dir) / cfg.trainer.run_name / f"traceback_rank{dist.global_rank}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(traceback.format_exc())
+        print(f"RunFailed: {error} (traceback: {path})", file=sys.stderr, flush=True)
+        return 1
     finally:
         shutdown(dist)
 

@@ -37,6 +37,33 @@ def test_the_readme_example_runs_as_written(tmp_path):
     assert finished.returncode == 0, finished.stderr[-3000:]
 
 
+def _example_script(tmp_path, guarded: bool) -> subprocess.CompletedProcess:
+    """The README example with reward.num_workers=2 added, run as a script file (the reward workers' fork server
+    imports a script's module again), with or without the `__main__` guard around its training call."""
+    code = readme_example().replace("/tmp/nanogrpo-example", str(tmp_path / "out"))
+    code = code.replace('"rollout.n=4",', '"rollout.n=4", "reward.num_workers=2",')
+    assert "reward.num_workers=2" in code
+    if guarded:
+        head, call = code.split("result = train(")
+        code = head + 'if __name__ == "__main__":\n    result = train(' + call.replace("\n", "\n    ").rstrip() + "\n"
+    script = tmp_path / ("guarded.py" if guarded else "unguarded.py")
+    script.write_text(code)
+    environment = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=environment, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_the_readme_example_with_reward_workers_needs_the_main_guard_and_runs_with_it(tmp_path):
+    refused = _example_script(tmp_path, guarded=False)
+    assert refused.returncode != 0 and not (tmp_path / "out").exists(), refused.stderr[-3000:]
+    assert refused.stderr.strip().splitlines()[-1].endswith(
+        'put its training call under `if __name__ == "__main__":` (or set reward.num_workers=0)'), refused.stderr[-2000:]
+    finished = _example_script(tmp_path, guarded=True)  # the function defined in the script reaches the workers
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    metrics = [json.loads(line) for line in (tmp_path / "out" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and "num_workers: 2" in (tmp_path / "out" / "run" / "config.yaml").read_text()
+
+
 def _rows(n, data_source="api_letters"):
     letters = "abcdefghijklmnop"
     return [{"prompt": [{"role": "user", "content": f"Say a word that starts with {letters[i]}."}],

@@ -68,8 +68,9 @@ def test_grpo_two_steps_and_resume_equivalence(tmp_path, tiny_model_dir):
 
 
 def test_a_fresh_run_in_a_used_directory_replaces_its_logs(tmp_path, tiny_model_dir):
-    """resume=never starts at step 0: the metrics and samples of an earlier run there are replaced, not appended."""
-    cfg = _config(tmp_path, tiny_model_dir, "trainer.steps=2", "data.eval_files=[]")
+    """resume=never starts at step 0: the metrics and samples of an earlier run there are replaced, not appended
+    (with trainer.overwrite, which a directory holding an earlier run's checkpoints needs)."""
+    cfg = _config(tmp_path, tiny_model_dir, "trainer.steps=2", "data.eval_files=[]", "trainer.overwrite=true")
     run_dir = tmp_path / "runs" / "e2e"
 
     def sample_steps():
@@ -80,6 +81,42 @@ def test_a_fresh_run_in_a_used_directory_replaces_its_logs(tmp_path, tiny_model_
     run(cfg, DistInfo())
     assert [m["step"] for m in _metrics(run_dir)] == [1, 2]
     assert sample_steps() == first and sorted(set(first)) == [1, 2]
+
+
+def test_a_fresh_run_never_continues_or_mixes_with_an_earlier_runs_checkpoints(tmp_path, tiny_model_dir):
+    """An earlier 3-step run's step_3 beside a new 2-step run's step_2 made a later --resume continue the earlier
+    run's weights: a fresh start in a directory holding checkpoints is refused, naming the ways on; with
+    trainer.overwrite the earlier checkpoints go and a resume continues the new run."""
+    from models.checkpoint import complete_checkpoints
+    run_dir = tmp_path / "runs" / "e2e"
+    run(_config(tmp_path, tiny_model_dir, "trainer.steps=3", "data.eval_files=[]"), DistInfo())
+    other = ["trainer.steps=2", "data.eval_files=[]", "reward.functions={tests_vowels: 'rewards_for_tests:constant'}"]
+    with pytest.raises(ConfigError, match=r"holds checkpoints of an earlier run \(up to step_3\): continue it with "
+                                          r"--resume .* another trainer\.run_name, or set trainer\.overwrite=true"):
+        run(_config(tmp_path, tiny_model_dir, *other), DistInfo())
+    assert [m["step"] for m in _metrics(run_dir)] == [1, 2, 3]  # nothing of the refused run was written
+    run(_config(tmp_path, tiny_model_dir, *other, "trainer.overwrite=true"), DistInfo())
+    assert [step for step, _ in complete_checkpoints(run_dir)] == [2]
+
+
+def test_a_resume_refuses_settings_that_define_another_run(tmp_path, tiny_model_dir):
+    """Resuming with another rollout.n, trainer.prompts_per_step or optim.lr was accepted and config.yaml
+    overwritten: the differences are refused, naming each key and both values, unless listed in
+    trainer.resume_changes; every resume's settings are kept beside the first."""
+    run_dir = tmp_path / "runs" / "e2e"
+    run(_config(tmp_path, tiny_model_dir, "trainer.steps=2", "data.eval_files=[]", "trainer.save_every=1"), DistInfo())
+    first = (run_dir / "config.yaml").read_text()
+    shutil.rmtree(run_dir / "checkpoints" / "step_2")
+    changed = ["trainer.steps=2", "data.eval_files=[]", "rollout.n=2", "trainer.prompts_per_step=4", "optim.lr=0.5"]
+    with pytest.raises(ConfigError, match=r"resuming .*step_1: settings differ from the run's \(.*config\.yaml\): "
+                                          r"rollout\.n: 4 -> 2; optim\.lr: 0\.001 -> 0\.5; "
+                                          r"trainer\.prompts_per_step: 2 -> 4\. List the ones"):
+        run(_config(tmp_path, tiny_model_dir, *changed), DistInfo(), resume=True)
+    run(_config(tmp_path, tiny_model_dir, "trainer.steps=3", "data.eval_files=[]", "optim.lr=0.5",
+                "trainer.resume_changes=[optim.lr]"), DistInfo(), resume=True)  # steps may grow freely
+    assert (run_dir / "config.yaml").read_text() == first
+    assert "lr: 0.5" in (run_dir / "config_step_1.yaml").read_text()
+    assert [m["step"] for m in _metrics(run_dir)] == [1, 2, 3]
 
 
 def test_sentence_rewards_shape_token_advantages(tmp_path, tiny_model_dir):
