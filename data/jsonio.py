@@ -167,8 +167,7 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 
 def exit_on_bad_input(main: Callable[[list[str] | None], None]) -> Callable[[list[str] | None], None]:
-    """For a data command's main(argv): bad input (a ValueError or FileNotFoundError naming the file, line and
-    field) ends it with `error: MESSAGE` and exit status 1 instead of a traceback."""
+    """A data command's main(argv) ends on bad input (ValueError, FileNotFoundError) with `error: MESSAGE`, status 1."""
     @functools.wraps(main)
     def checked(argv: list[str] | None = None) -> None:
         try:

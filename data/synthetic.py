@@ -41,13 +41,6 @@ ATTRIBUTES = {
 TITLE = "Company records"
 
 
-def _entities(rng: random.Random, count: int) -> list[str]:
-    names: set[str] = set()
-    while len(names) < count:
-        names.add(f"{rng.choice(FIRST_SYLLABLES)}{rng.choice(SECOND_SYLLABLES)} {rng.choice(KINDS)}")
-    return rng.sample(sorted(names), count)  # sorted first: set order is not deterministic across runs
-
-
 def _sentence(attribute: str, entity: str, value: str) -> str:
     return ATTRIBUTES[attribute][0].format(entity=entity, value=value)
 
@@ -55,7 +48,10 @@ def _sentence(attribute: str, entity: str, value: str) -> str:
 def generate_example(rng: random.Random, label: str) -> tuple[str, list[str], list[int]]:
     """(claim, context sentences, gold evidence indices) for one example with the given label."""
     num_sentences = rng.randint(3, 4)  # 5 would push the chat-rendered prompt past ~200 tokens
-    target, *others = _entities(rng, num_sentences)
+    names: set[str] = set()  # distinct invented company names
+    while len(names) < num_sentences:
+        names.add(f"{rng.choice(FIRST_SYLLABLES)}{rng.choice(SECOND_SYLLABLES)} {rng.choice(KINDS)}")
+    target, *others = rng.sample(sorted(names), num_sentences)  # sorted first: set order varies across runs
     claim_attribute, other_attribute = rng.sample(sorted(ATTRIBUTES), 2)
     pool = ATTRIBUTES[claim_attribute][2]
     true_value = rng.choice(pool)

@@ -2,18 +2,15 @@
 
     python -m launch.demo [--out runs/demo] [--heldout-rows 64] [--heldout-seed 1] [key.sub=value ...]
 
-The generated evidence task (data.synthetic: claims about invented companies, numbered context sentences,
-SUPPORTS / REFUTES / NOT_ENOUGH_INFO, gold evidence known) is scored with the SciFact evidence reward
-(`scifact_evidence`), and three arms run in turn, as in the SciFact paper's argument:
+The generated evidence task (data.synthetic: claims about invented companies, gold evidence known) is scored
+with the `scifact_evidence` reward, and three arms run in turn, as in the SciFact paper's argument:
 1. GRPO from the base model (launch/configs/demo_base.yaml): the base model never writes the answer format,
-   every completion scores 0, every group is flat -- the stall, with its "zero learning signal" warning;
+   every group is flat -- the stall, with its "zero learning signal" warning;
 2. SFT cold start (demo_sft.yaml): teaches the format;
 3. GRPO from the SFT checkpoint (demo.yaml): RL improves on SFT.
-The held-out rows come from a generator seed used for nothing else (training rows: seed 0). Every arm scores
-them greedily before, during (trainer.eval_every) and after training; the table gives each mean its 95%
-interval and each arm its paired difference against the checkpoint it started from (same prompts).
-Writes runs/demo/summary.md, summary.json and curves.png (held-out reward and label accuracy over steps beside
-the training reward, every arm on one figure).
+Every arm scores held-out rows (a generator seed of their own) greedily before, during and after training; the
+table gives each mean its 95% interval and each arm its paired difference against its starting checkpoint.
+Writes summary.md, summary.json and curves.png (held-out and training curves of every arm on one figure).
 """
 from __future__ import annotations
 
@@ -60,9 +57,9 @@ def table(rows: list[tuple[str, dict, str | None, dict | None]]) -> str:
 
 
 def curves(arms: list[tuple[str, Path, int, dict, dict]], path: Path) -> None:
-    """One figure: held-out reward and label accuracy (with 95% bands) and the training reward over steps.
-    arms: (name, run directory, step offset on the shared axis, held-out result at the arm's start, at its end);
-    an arm's held-out points are those it logged (trainer.eval_every), plus its start and end results."""
+    """One figure of held-out reward and accuracy (95% bands) and training reward over steps. arms: (name, run
+    directory, step offset on the shared axis, held-out result at the arm's start, at its end), the start and
+    end added to the held-out points the arm logged."""
     runs = {}
     for name, run_dir, offset, start, end in arms:
         records = read_metrics(run_dir / "metrics.jsonl")

@@ -5,15 +5,10 @@
     python -m launch.distill --teacher default --input data/fixtures/verifier_sample.jsonl --out /tmp/sft.jsonl \\
         --samples 2 --max-new-tokens 64                                          # CPU, the embedded model
 
-The input is data.verifier's judgments JSONL ({question, gold_answer, llm_response, gold_judgment}); each row's
-verifier prompt goes to the teacher K times (--samples, sampled at --temperature), and the samples that pass
-the filters below become SFT rows, with a report of the count per reason (OUT with the suffix .report.json).
-Train on them with launch/configs/verifier_sft.yaml, then DAPO with launch/configs/verifier_dapo.yaml.
-Sampling needs a model, so this lives in launch/ (data/ imports none); the filters are pure functions,
-tested on scripted teacher outputs.
-
-One sample goes through these filters, in order; the first that fails names the sample's reason in the
-report (REASONS), and only "kept" samples become SFT rows:
+The input is data.verifier's judgments JSONL; each row's verifier prompt goes to the teacher K times (--samples,
+at --temperature), and the samples that pass the filters below become SFT rows for
+launch/configs/verifier_sft.yaml (then verifier_dapo.yaml), with the count per reason in OUT.report.json.
+A sample's reason (REASONS) is the first filter it fails, in this order; only "kept" samples become rows:
 
     truncated            the teacher hit its token limit (finish reason "length")
     unfinished_thinking  a thinking teacher opened <think> and never closed it
@@ -27,10 +22,9 @@ report (REASONS), and only "kept" samples become SFT rows:
     duplicate            the same reasoning as a sample already kept for this row
     surplus              the row already has per_example kept samples
 
-A thinking teacher (its text holds `</think>`) is judged on its concluding summary only, the text after the
-last `</think>`: the verifier paper keeps the summary and drops the long thinking, which adds length but no
-accuracy. The SFT target is the reasoning, a blank line and `Final Judgment: \\boxed{X}` (data.verifier's
-target line), written into a copy of data.verifier's row, so SFT and the verifier reward read one format.
+A thinking teacher is judged on its summary after the last `</think>`: the verifier paper drops the thinking,
+which adds length but no accuracy. The SFT target is the reasoning, a blank line and data.verifier's target
+line, in a copy of data.verifier's row, so SFT and the verifier reward read one format.
 """
 from __future__ import annotations
 
@@ -72,9 +66,8 @@ def concluding_text(text: str) -> str | None:
 
 
 def split_reasoning(summary: str) -> str | None:
-    """The reasoning before a well-formed final `Final Judgment: \\boxed{X}` line, or None when the summary
-    is unstructured (see the module docstring). The reasoning may be empty; markdown around the marker and
-    trailing punctuation are allowed ("Both say 144.\\n\\n**Final Judgment:** \\\\boxed{A}.")."""
+    """The (possibly empty) reasoning before a well-formed final `Final Judgment: \\boxed{X}` line, markdown and
+    closing punctuation allowed ("Both say 144.\\n\\n**Final Judgment:** \\\\boxed{A}."); None if unstructured."""
     span = last_boxed_span(summary)
     marker = last_match(FINAL_JUDGMENT, summary)
     if span is None or marker is None or summary.count("\\boxed{") != 1:
@@ -91,7 +84,7 @@ def split_reasoning(summary: str) -> str | None:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What one teacher sample is worth: its reason (one of REASONS) and, when kept, its reasoning and judgment."""
+    """One teacher sample's reason (one of REASONS) and, when kept, its reasoning and judgment."""
 
     reason: str
     reasoning: str | None = None
@@ -100,10 +93,7 @@ class Verdict:
 
 def judge_sample(text: str, gold: str, *, finish_reason: str, max_reasoning_tokens: int,
                  count_tokens: Callable[[str], int]) -> Verdict:
-    """Run one sample through the filters of the module docstring (gold: "A", "B" or "C").
-
-    count_tokens: the teacher tokenizer's token count of a text.
-    """
+    """One sample through the module docstring's filters (gold: "A", "B" or "C"; count_tokens: teacher tokens)."""
     if gold not in JUDGMENTS:
         raise ValueError(f"gold judgment must be one of {JUDGMENTS}, got {gold!r}")
     if finish_reason == "length":
@@ -128,7 +118,7 @@ def judge_sample(text: str, gold: str, *, finish_reason: str, max_reasoning_toke
 
 @dataclass
 class DistillReport:
-    """Counts per reason over every sample, and the kept rows per gold label (distill_example counts each)."""
+    """Counts per reason over every sample and kept rows per gold label (distill_example counts each)."""
 
     samples_per_example: int
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
@@ -143,7 +133,7 @@ class DistillReport:
                 "by_reason": dict(self.counts), "kept_by_label": dict(self.kept_by_label)}
 
     def format(self) -> str:
-        """Readable lines: totals, then each reason with its count and share of all samples."""
+        """Totals, then each reason with its count and share of all samples."""
         total = max(sum(self.counts.values()), 1)
         lines = [f"{self.examples} examples x {self.samples_per_example} samples: {self.counts['kept']} kept "
                  f"({self.examples_with_kept} examples with at least one); kept by gold label {self.kept_by_label}"]
@@ -153,8 +143,7 @@ class DistillReport:
 
 def distill_example(row: dict, samples: Sequence[tuple[str, str]], report: DistillReport, *, per_example: int,
                     max_reasoning_tokens: int, count_tokens: Callable[[str], int], teacher: str) -> list[dict]:
-    """SFT rows from one verifier row (data.verifier's format) and its teacher samples [(text, finish_reason)];
-    every sample is counted in `report` under exactly one reason."""
+    """SFT rows from one data.verifier row and its samples [(text, finish_reason)], each counted in `report`."""
     gold = row["reward_model"]["ground_truth"]
     kept: list[dict] = []
     seen: set[str] = set()
@@ -188,8 +177,7 @@ def write_report(out: str | Path, report: DistillReport) -> Path:
 
 
 def write_distilled(rows: list[dict], out: str | Path, report: DistillReport) -> Path:
-    """Write the report beside `out` (always), then the SFT rows (JSONL or Parquet by suffix) and return the
-    report's path; when no sample was kept, nothing is written to `out` and ValueError says so."""
+    """Write the report beside `out`, then the rows (none: ValueError, `out` unwritten); returns the report's path."""
     path = write_report(out, report)
     if not rows:
         raise ValueError(f"no teacher sample passed the filters, so {out} was not written (report: {path}):\n"
@@ -204,8 +192,7 @@ def write_distilled(rows: list[dict], out: str | Path, report: DistillReport) ->
 def distill_rows(engine, tokenizer, rows: list[dict], *, samples: int, max_reasoning_tokens: int,
                  per_example: int, max_new_tokens: int, temperature: float, top_p: float, batch_size: int,
                  seed: int, teacher: str) -> tuple[list[dict], DistillReport]:
-    """(SFT rows, report) for verifier rows: the teacher samples each row's prompt `samples` times (the batch
-    of prompts b with seed + b) and distill_example judges the samples."""
+    """(SFT rows, report): each prompt sampled `samples` times (batch b with seed + b), judged by distill_example."""
     report, kept = DistillReport(samples_per_example=samples), []
 
     def count_tokens(text: str) -> int:

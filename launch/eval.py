@@ -41,30 +41,24 @@ DEFAULT_BATCH_SIZE = 16
 
 
 def resolve_model(spec: str) -> Path | None:
-    """The directory to load: None for "default"; a model directory (config.json) as it is; a run directory
-    -> its latest complete checkpoint. Anything else goes to models.resolve_model_dir (local HF cache)."""
+    """None for "default"; a run directory's latest complete checkpoint; anything else (a model directory, a .gguf
+    file, an org/name in the local HF cache) through models.resolve_model_dir, as training resolves its model."""
     if spec == "default":
         return None
     path = Path(spec).expanduser()
-    if not path.exists():
-        return resolve_model_dir(spec)  # an org/name in the local cache, or a FileNotFoundError naming the path
-    if not path.is_dir():
-        raise ValueError(f"--model {path} is a file; give an HF model directory, a run directory or 'default'")
-    if (path / "config.json").is_file():
-        return resolve_model_dir(path)
-    if (path / "checkpoints").is_dir() or any(path.glob("step_*")):
+    if path.is_dir() and not (path / "config.json").is_file() and (
+            (path / "checkpoints").is_dir() or any(path.glob("step_*"))):
         latest = latest_checkpoint(path)
         if latest is None:
             raise FileNotFoundError(f"--model {path}: run directory without a complete checkpoint "
                                     f"(no step_<n>/ with a COMPLETE marker under {path / 'checkpoints'})")
         return latest
-    raise FileNotFoundError(f"--model {path}: neither a model directory (no config.json) nor a run directory "
-                            "(no checkpoints/)")
+    return resolve_model_dir(spec)
 
 
 def read_data(paths: list[str], limit: int | None) -> list[dict]:
-    """Records (file, row, data_source, ground_truth, extra_info, prompt messages) of every file, the first
-    `limit` rows of each; every file is read and checked before anything runs."""
+    """Records (file, row, index, data_source, ground_truth, extra_info, messages) of the first `limit` rows of
+    each file, every file read and checked before anything runs."""
     records = []
     for path in paths:
         for number, row in enumerate(read_rows(path)[:limit], start=1):
@@ -80,20 +74,18 @@ def read_data(paths: list[str], limit: int | None) -> list[dict]:
 
 
 def reward_sources(records: list[dict]) -> set[str]:
-    """Data sources whose reward can be computed here. factqa_corpus needs a corpus index (set through
-    extra_info or the environment): without one its reward is left out and said so, not scored as 0."""
+    """Data sources whose reward can be computed here; the others' reward is left out and said so, not scored
+    as 0 (factqa_corpus needs a corpus index, from extra_info or the environment)."""
     available = set()
     for source in dict.fromkeys(record["data_source"] for record in records):
-        if source == FACTQA and not os.environ.get(INDEX_ENV) and not all(
-                record["extra_info"].get("corpus_index") for record in records if record["data_source"] == source):
-            print(f"note: no corpus index ({INDEX_ENV}): no reward_mean for {source}", file=sys.stderr)
-            continue
         try:
+            if source == FACTQA and not os.environ.get(INDEX_ENV) and not all(
+                    record["extra_info"].get("corpus_index") for record in records if record["data_source"] == source):
+                raise ValueError(f"no corpus index ({INDEX_ENV})")
             rewards.get_reward(source)
-        except ValueError:
-            print(f"note: no reward function for data source {source!r}: no reward_mean for it", file=sys.stderr)
-            continue
-        available.add(source)
+            available.add(source)
+        except ValueError as error:
+            print(f"note: no reward_mean for {source}: {error}", file=sys.stderr)
     return available
 
 
@@ -101,11 +93,10 @@ def evaluate_records(engine, tokenizer, records: list[dict], *, max_new_tokens: 
                      relaxed: bool = False) -> tuple[list[dict], dict]:
     """(predictions, {data_source: metrics}): each record completed greedily, rewarded, and scored."""
     prompt_ids = [render_prompt(tokenizer, record["messages"]) for record in records]
-    context = getattr(engine, "max_context", None) or getattr(engine, "max_model_len", None)
-    for record, ids in zip(records, prompt_ids):
-        if context is not None and len(ids) >= context:
+    for record, ids in zip(records, prompt_ids):  # named by file and row before any generation
+        if len(ids) >= engine.max_context:
             raise ValueError(f"{record['file']} row {record['row']}: the prompt has {len(ids)} tokens, the model's "
-                             f"context holds {context}")
+                             f"context holds {engine.max_context}")
     with_reward = reward_sources(records)
     completions = greedy_completions(engine, prompt_ids, max_new_tokens=max_new_tokens, batch_size=batch_size)
     scorer = Scorer(rewards.compute_score, decode_prefixes=prefix_decoder(tokenizer))
@@ -144,11 +135,9 @@ def _flatten(metrics: dict) -> dict:
 
 
 def markdown_tables(runs: dict[str, dict[str, dict]]) -> str:
-    """{run name: {data_source: metrics}} -> one markdown table per data source (a row per run that has
-    it, a column per metric, columns in order of first appearance)."""
-    sources = list(dict.fromkeys(source for metrics in runs.values() for source in metrics))
+    """{run name: {data_source: metrics}} -> a markdown table per data source, a row per run, a column per metric."""
     sections = []
-    for source in sources:
+    for source in dict.fromkeys(source for metrics in runs.values() for source in metrics):
         rows = {name: _flatten(metrics[source]) for name, metrics in runs.items() if source in metrics}
         columns = list(dict.fromkeys(key for flat in rows.values() for key in flat))
         lines = [f"### {source}", "", "| model | " + " | ".join(columns) + " |",
@@ -175,8 +164,7 @@ def load_evaluation(directory: str | os.PathLike) -> dict:
 
 
 def compare(directories: list[str]) -> str:
-    """Side-by-side markdown tables of several evaluation output directories, named by directory (the
-    full path when two share a name), "(relaxed)" added for relaxed-mode evaluations."""
+    """Side-by-side markdown tables of evaluation directories, named by run_names, "(relaxed)" marked."""
     evaluations = [load_evaluation(directory) for directory in directories]
     names = [f"{name} (relaxed)" if evaluation.get("relaxed") else name
              for name, evaluation in zip(run_names(directories), evaluations)]
@@ -207,9 +195,8 @@ def check_positive(args: argparse.Namespace, *names: str) -> None:
 
 
 def engine_from_args(args: argparse.Namespace, model_dir: Path | None) -> tuple[object, object, str]:
-    """(engine, tokenizer, dtype) for add_engine_arguments' options, their defaults filled in for this machine: the
-    factory training uses (launch.build.build_engine) with this machine's plan for these settings; the tokenizer
-    comes from the same directory as the weights."""
+    """(engine, tokenizer, dtype) for add_engine_arguments' options, defaults filled in for this machine: the
+    factory training uses (launch.build.build_engine), the tokenizer from the same directory as the weights."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     tokenizer = load_tokenizer(model_dir)
@@ -258,9 +245,7 @@ def evaluate_command(argv: list[str]) -> None:
 
 
 def exit_2_on_bad_input(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
-    """For a command's main(argv) (launch.eval, .plot, .distill): bad input, a ValueError or FileNotFoundError whose
-    message names the file, row, key or value, prints `error: MESSAGE` on stderr and returns exit status 2
-    instead of a traceback."""
+    """launch.eval/.plot/.distill's main(argv) prints bad input (ValueError, FileNotFoundError) and returns 2."""
     @functools.wraps(main)
     def checked(argv: list[str] | None = None) -> int:
         try:

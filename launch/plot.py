@@ -34,24 +34,19 @@ HEADLINE = {
     "verifier": (("accuracy", "accuracy"),),
     "held-out (trainer)": (("acc", "accuracy"), ("format", "format success")),
 }
-RATE_SOURCES = set(HEADLINE)  # every headline metric above is a rate in [0, 1]
 
 
 def _number(value) -> float:
-    """A logged value as a float; the run log writes non-finite numbers as strings ("nan", "inf")."""
-    if isinstance(value, (int, float)):  # bool included
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    return math.nan
+    """A logged value as a float: a number or a numeric string ("nan", "inf") as such, anything else (null) NaN."""
+    try:
+        return float(value) if isinstance(value, (int, float, str)) else math.nan
+    except ValueError:
+        return math.nan
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The step records of a metrics.jsonl (data.jsonio.iter_jsonl: bad lines name file:line); a record
-    without an integer "step" names its line too. An empty file (a run stopped before its first step) has none."""
+    """The step records of a metrics.jsonl (none in an empty file: a run stopped before its first step); a bad
+    line, or a record without an integer "step", fails naming file:line."""
     if path.stat().st_size == 0:
         return []
     records = []
@@ -63,13 +58,12 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def read_evaluations(directory: Path, name: str) -> dict[str, dict[str, dict]]:
-    """{model name: {data_source: metrics}} from a launch.eval metrics.json, and from a run's eval.json
-    ({"before": {...}, "after": {...}}, as "NAME before" / "NAME after" under "held-out (trainer)")."""
-    evaluations = {}
+    """{model name: {data_source: metrics}} from a launch.eval metrics.json, and from a run's eval.json (as
+    "NAME before" / "NAME after" under "held-out (trainer)")."""
+    evaluations, path = {}, directory / "eval.json"
     if (directory / "metrics.json").is_file():
         evaluations[name] = load_evaluation(directory)["metrics"]
-    if (directory / "eval.json").is_file():
-        path = directory / "eval.json"
+    if path.is_file():
         try:
             held_out = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as error:
@@ -95,8 +89,8 @@ def _grid(panels: int, width: float, height: float) -> tuple[Figure, list]:
 
 
 def training_curves(runs: dict[str, list[dict]], path: Path, curves=CURVES) -> list[str]:
-    """One PNG, a panel per `curves` key that any run logged, a line per run (with its 95% band where the run
-    logged KEY_low / KEY_high, as held-out scores are); returns the keys drawn."""
+    """One PNG, a panel per `curves` key any run logged, a line per run (with its 95% band where the run logged
+    KEY_low / KEY_high, as held-out scores are); returns the keys drawn."""
     logged = {key for records in runs.values() for record in records for key in record}
     keys = [(key, title) for key, title in curves if key in logged]
     if not keys:
@@ -124,8 +118,7 @@ def training_curves(runs: dict[str, list[dict]], path: Path, curves=CURVES) -> l
 
 
 def evaluation_bars(evaluations: dict[str, dict[str, dict]], path: Path) -> list[str]:
-    """One PNG, a panel per data source, grouped bars (a colour per model) of its headline metrics;
-    returns the sources drawn."""
+    """One PNG, a panel of headline-metric bars per data source, a colour per model; returns the sources drawn."""
     sources = list(dict.fromkeys(source for metrics in evaluations.values() for source in metrics))
     if not sources:
         return []
@@ -141,7 +134,7 @@ def evaluation_bars(evaluations: dict[str, dict[str, dict]], path: Path) -> list
             axis.bar_label(bars, labels=["n/a" if math.isnan(value) else f"{value:.2f}" for value in values],
                            fontsize="x-small")
         axis.set_xticks(range(len(labels)), [label for _, label in labels])
-        if source in RATE_SOURCES:
+        if source in HEADLINE:  # every headline metric is a rate in [0, 1]
             axis.set_ylim(0, 1.1)
         axis.set_title(source)
         axis.legend(fontsize="x-small")

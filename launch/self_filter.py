@@ -2,17 +2,17 @@
 
     python -m launch.self_filter --input nq.jsonl --out nq_zone.jsonl --group-size 8
 
-A question the model always gets right (or never) gives a GRPO group with equal rewards and no gradient, so
-questions are kept when k of G sampled answers are judged correct with `min_correct <= k <= max_correct`
-(default 1 and G-1). Optional "anchors" add back a few always-correct questions, reported to stabilise
-training of 3B/4B models. The rule (self_filter) reaches the model only through `generate_fn`, so it runs in
-tests without one; the command samples with the engine launch.eval and launch.distill use.
+A question the model always gets right (or never) gives a GRPO group with equal rewards and no gradient, so a
+question is kept when k of G sampled answers are judged correct, `min_correct <= k <= max_correct` (default 1
+and G-1). Optional "anchors" add back a few always-correct questions, reported to stabilise 3B/4B training.
+The rule reaches the model only through `generate_fn`; the command samples with launch.eval's engine.
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import json
+import functools
+import itertools
 import random
 from pathlib import Path
 from typing import Callable
@@ -23,17 +23,17 @@ from launch.eval import add_engine_arguments, engine_from_args, resolve_model
 from models import render_prompt
 from rewards import load_function
 
-GenerateFn = Callable[[list[str], int], list[list[str]]]
+GenerateFn = Callable[[list, int], list[list[str]]]
 JudgeFn = Callable[[str, str], bool]
 
 
 def question_of(messages: list[dict]) -> str:
-    """The last user message: the default prompt text handed to `generate_fn`."""
+    """The last user message: the default prompt handed to `generate_fn`."""
     return [message["content"] for message in messages if message["role"] == "user"][-1]
 
 
 def check_settings(group_size: int, min_correct: int, max_correct: int | None, anchors: int, batch_size: int) -> int:
-    """Validate the filter's settings (before any model loads); returns max_correct with its default G-1 filled in."""
+    """Validate the filter's settings (before any model loads); returns max_correct, its default G-1 filled in."""
     max_correct = group_size - 1 if max_correct is None else max_correct
     if group_size < 2:
         raise ValueError(f"group_size must be at least 2, got {group_size}")
@@ -47,15 +47,14 @@ def check_settings(group_size: int, min_correct: int, max_correct: int | None, a
 
 def self_filter(rows: list[dict], generate_fn: GenerateFn, judge_fn: JudgeFn, *, group_size: int = 8,
                 min_correct: int = 1, max_correct: int | None = None, anchors: int = 0, batch_size: int = 16,
-                seed: int = 0, render: Callable[[list[dict]], str] = question_of) -> tuple[list[dict], dict]:
+                seed: int = 0, render: Callable[[list[dict]], object] = question_of) -> tuple[list[dict], dict]:
     """Keep the rows whose question is answered correctly between `min_correct` and `max_correct` times of G.
 
-    generate_fn(prompts, n) -> for each of the P prompts, its n = G sampled completion texts ([P][G]).
+    generate_fn(prompts, n) -> for each of the P prompts (render(row["prompt"])), its n = G completion texts.
     judge_fn(text, ground_truth) -> whether one completion answers correctly.
-    render(row["prompt"]) -> the prompt string given to generate_fn (default: the question).
-    anchors: how many always-correct (k = G) rows to add, chosen under `seed` (all of them if fewer exist).
-    Returns (kept rows in input order, stats). Each kept row is a copy whose `extra_info["self_filter"]`
-    records `{"correct": k, "samples": G, "anchor": bool}`.
+    anchors: how many always-correct (k = G) rows to add, chosen under `seed` (all if fewer exist).
+    Returns (kept rows in input order, stats); each kept row is a copy with `extra_info["self_filter"] =
+    {"correct": k, "samples": G, "anchor": bool}`.
     """
     max_correct = check_settings(group_size, min_correct, max_correct, anchors, batch_size)
     correct_counts: list[int] = []
@@ -94,10 +93,8 @@ def _size(value) -> str:
 
 
 def load_judge(spec: str | None) -> JudgeFn:
-    """The judge named `module:function` (its result counts as correct when True or a number > 0).
-
-    A numeric result is accepted because a reward-style judge scores (+2 correct, -1 otherwise).
-    """
+    """The judge named `module:function`: correct when it returns True or a number > 0 (a reward-style judge
+    scores +2 correct, -1 otherwise)."""
     if not spec:
         raise ValueError("no judge given: pass --judge module:function, a function (completion_text, ground_truth) "
                          "-> bool such as the factual-QA string-match judge of the rewards package")
@@ -111,30 +108,21 @@ def load_judge(spec: str | None) -> JudgeFn:
 
     def judge(text: str, ground_truth: str) -> bool:
         result = function(text, ground_truth)
-        if isinstance(result, bool):
-            return result
-        if isinstance(result, (int, float)):
-            return result > 0
-        raise ValueError(f"judge {spec!r} returned {type(result).__name__}; expected bool or a number")
+        if not isinstance(result, (int, float)):  # bool included: True > 0
+            raise ValueError(f"judge {spec!r} returned {type(result).__name__}; expected bool or a number")
+        return result > 0
 
     return judge
 
 
-def engine_generate_fn(engine, tokenizer, *, max_new_tokens: int, temperature: float, top_p: float,
-                       seed: int) -> GenerateFn:
-    """A generate_fn on an engine (launch.eval's, from the factory training uses); its prompts are chat messages
-    as JSON text. Use it with `render=json.dumps` so each prompt is rendered through the model's own chat
-    template (system prompt included) and tokenised exactly once.
-    """
-    calls = 0
+def engine_generate_fn(engine, *, max_new_tokens: int, temperature: float, top_p: float, seed: int) -> GenerateFn:
+    """A generate_fn on an engine (launch.eval's) for prompts of token ids (render with models.render_prompt: the
+    model's own chat template), each call with the next seed (one seed for every batch would correlate them)."""
+    seeds = itertools.count(seed)
 
-    def generate(prompts: list[str], n: int) -> list[list[str]]:
-        nonlocal calls
-        prompt_ids = [render_prompt(tokenizer, json.loads(prompt)) for prompt in prompts]
-        # A different seed per call: the same seed for every batch would correlate the samples across batches.
-        completions = engine.generate(prompt_ids, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
-                                      top_p=top_p, top_k=0, stop=None, seed=seed + calls)
-        calls += 1
+    def generate(prompts: list[list[int]], n: int) -> list[list[str]]:
+        completions = engine.generate(prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
+                                      top_p=top_p, top_k=0, stop=None, seed=next(seeds))
         texts = [completion.text for completion in completions]
         return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
 
@@ -165,11 +153,11 @@ def main(argv: list[str] | None = None) -> None:
     check_settings(args.group_size, args.min_correct, args.max_correct, args.anchors, args.batch_size)
     judge_fn = load_judge(args.judge)
     engine, tokenizer, _ = engine_from_args(args, resolve_model(args.model))
-    generate_fn = engine_generate_fn(engine, tokenizer, max_new_tokens=args.max_new_tokens,
-                                     temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    generate_fn = engine_generate_fn(engine, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                     top_p=args.top_p, seed=args.seed)
     kept, stats = self_filter(rows, generate_fn, judge_fn, group_size=args.group_size, min_correct=args.min_correct,
                               max_correct=args.max_correct, anchors=args.anchors, batch_size=args.batch_size,
-                              seed=args.seed, render=json.dumps)
+                              seed=args.seed, render=functools.partial(render_prompt, tokenizer))
     if not kept:
         raise ValueError(f"no question was answered correctly between {stats['min_correct']} and "
                          f"{stats['max_correct']} times out of {args.group_size}; nothing to write ({stats})")

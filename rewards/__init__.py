@@ -53,8 +53,7 @@ def registered() -> list[str]:
 
 
 def load_function(name: str) -> Callable:
-    """The function a path names: "package.module.function", "package.module:function" or "file.py:function"
-    (also launch.self_filter's --judge); ValueError saying why it cannot be loaded."""
+    """The function a path names (as a data_source, or launch.self_filter's --judge); ValueError saying why not."""
     module_name, _, attribute = name.rpartition(":" if ":" in name else ".")
     if not module_name or not attribute:
         raise ValueError("not registered")
@@ -77,8 +76,7 @@ def load_function(name: str) -> Callable:
 
 
 def get_reward(data_source_or_path: str) -> RewardFn:
-    """The registered function, else the function a path names (then registered under the path); ValueError
-    listing the registered names otherwise."""
+    """The registered function, else the one a path names (registered then); ValueError otherwise."""
     function = _REGISTRY.get(data_source_or_path)
     if function is None:
         try:

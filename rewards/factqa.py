@@ -146,8 +146,7 @@ _REWARDS_BY_INDEX: dict[str, Callable[..., dict]] = {}
 
 def factqa_corpus_reward(data_source: str, solution_str: str, ground_truth: object,
                          extra_info: dict | None = None) -> dict:
-    """make_factqa_reward on the CorpusIndex at extra_info["corpus_index"] or $NANOGRPO_CORPUS_INDEX (opened once
-    per path)."""
+    """make_factqa_reward on the CorpusIndex at extra_info["corpus_index"] or $NANOGRPO_CORPUS_INDEX."""
     path = extra_info.get("corpus_index") if isinstance(extra_info, dict) else None
     path = path or os.environ.get(INDEX_ENV)
     if not path:

@@ -50,10 +50,8 @@ def bag_f1(prediction: TokenBag, gold: TokenBag) -> float:
     """Token F1 = 2*shared / (len(prediction) + len(gold)) = 2PR/(P+R). shared (the sum over common tokens of
     the smaller count) is len(common) plus a correction for tokens repeated on both sides, so the usual case
     is a set intersection done in C."""
-    if prediction.length == 0 or gold.length == 0:
-        return 0.0
     common = prediction.counts.keys() & gold.counts.keys()
-    if not common:
+    if not common:  # also when either side is empty
         return 0.0
     shared = len(common)
     if prediction.repeated and gold.repeated:

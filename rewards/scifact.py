@@ -158,8 +158,7 @@ def scifact_evidence_reward(data_source: str, solution_str: str, ground_truth: o
 
 def evidence_qa_reward(data_source: str, solution_str: str, ground_truth: object,
                        extra_info: dict | None = None) -> dict:
-    """Free-text answer with evidence, no gate: 0.45*answer_f1 (token F1) + 0.35*evidence + 0.15*format +
-    0.05*conciseness."""
+    """No gate: 0.45*answer_f1 (token F1) + 0.35*evidence + 0.15*format + 0.05*conciseness."""
     gold_text, _, gold = parse_ground_truth(ground_truth)
     answer_text, items, format_score, conciseness = completion_parts(solution_str)
     answer_f1 = token_f1(answer_text.strip(), gold_text) if answer_text is not None else 0.0

@@ -150,17 +150,10 @@ def parse_triple(output: object) -> Triple | None:
         line = re.sub(r"^(?:triple\s*:\s*)", "", raw_line.strip(), flags=re.IGNORECASE).strip().strip("()[]{}<>\"'` ")
         if line.upper() == "NONE" or raw_line.strip().lower().startswith("sentence:"):
             return None
-        triple = _valid_triple(line)
-        if triple is not None:
-            return triple
+        parts = [part.strip().strip("\"'`").strip() for part in line.split("|")]
+        if len(parts) != 3 or not all(parts) or any(len(part) > _MAX_PART_CHARS for part in parts):
+            continue
+        head, relation, tail = parts
+        if {head.lower(), tail.lower()}.isdisjoint(PRONOUNS) and content_words(head) and content_words(tail):
+            return Triple(head, relation, tail)
     return None
-
-
-def _valid_triple(line: str) -> Triple | None:
-    parts = [part.strip().strip("\"'`").strip() for part in line.split("|")]
-    if len(parts) != 3 or not all(parts) or any(len(part) > _MAX_PART_CHARS for part in parts):
-        return None
-    head, relation, tail = parts
-    if head.lower() in PRONOUNS or tail.lower() in PRONOUNS or not content_words(head) or not content_words(tail):
-        return None
-    return Triple(head, relation, tail)
