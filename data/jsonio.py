@@ -83,10 +83,8 @@ def read_json_array(path: str | Path) -> list[tuple[int, dict]]:
     element starts (the array is decoded one element at a time), so a bad record is reported by its line."""
     path = Path(path)
     check_file(path)
-    raw = path.read_bytes()
-    for line_number, raw_line in enumerate(raw.split(b"\n"), start=1):  # binary junk by line, as iter_jsonl
-        _decode(raw_line, path, line_number)
-    text = raw.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark is not JSON, but is common
+    lines = path.read_bytes().split(b"\n")  # decoded by line to report binary junk by line, as iter_jsonl does
+    text = "\n".join(_decode(raw, path, number) for number, raw in enumerate(lines, start=1)).removeprefix("\ufeff")
     line, counted = 1, 0
 
     def line_of(position: int) -> int:  # counted on from the previous call (positions only grow), not from 0

@@ -23,11 +23,10 @@ COLUMNS = ("prompt", "data_source", "ability", "reward_model", "extra_info")
 
 def make_row(messages: list[dict[str, str]], *, data_source: str, ability: str, ground_truth: str, index: int,
              split: str, **extra_info: Any) -> dict:
-    """One row; further keyword arguments go to `extra_info` after its index and split."""
-    row = {"prompt": [dict(message) for message in messages], "data_source": data_source, "ability": ability,
-           "reward_model": {"ground_truth": ground_truth}, "extra_info": {"index": index, "split": split, **extra_info}}
-    validate_row(row, "make_row")
-    return row
+    """One row (checked when written); further keyword arguments go to `extra_info` after its index and split."""
+    return {"prompt": [dict(message) for message in messages], "data_source": data_source, "ability": ability,
+            "reward_model": {"ground_truth": ground_truth},
+            "extra_info": {"index": index, "split": split, **extra_info}}
 
 
 def validate_row(row: Any, where: str) -> None:

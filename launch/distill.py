@@ -169,16 +169,11 @@ def distill_example(row: dict, samples: Sequence[tuple[str, str]], report: Disti
     return kept
 
 
-def write_report(out: str | Path, report: DistillReport) -> Path:
-    """The report as JSON beside the SFT file (sft.jsonl -> sft.report.json); returns its path."""
+def write_distilled(rows: list[dict], out: str | Path, report: DistillReport) -> Path:
+    """Write the report beside `out` (sft.jsonl -> sft.report.json), then the rows (none: ValueError, `out`
+    unwritten); returns the report's path."""
     path = Path(out).with_suffix(".report.json")
     atomic_write_text(path, json.dumps(report.as_dict(), indent=1) + "\n")
-    return path
-
-
-def write_distilled(rows: list[dict], out: str | Path, report: DistillReport) -> Path:
-    """Write the report beside `out`, then the rows (none: ValueError, `out` unwritten); returns the report's path."""
-    path = write_report(out, report)
     if not rows:
         raise ValueError(f"no teacher sample passed the filters, so {out} was not written (report: {path}):\n"
                          f"{report.format()}")
@@ -244,13 +239,12 @@ def main(argv: list[str] | None = None) -> int:
                                 max_reasoning_tokens=args.max_reasoning_tokens, per_example=args.per_example,
                                 max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                                 batch_size=batch_size, seed=args.seed, teacher=args.teacher)
-    print(report.format())
-    if not kept:
-        print(f"error: no teacher sample passed the filters; {args.out} not written (report: "
-              f"{write_report(args.out, report)})", file=sys.stderr)
+    try:
+        report_file = write_distilled(kept, args.out, report)
+    except ValueError as error:  # no sample kept: the report is written, the rows are not
+        print(f"error: {error}", file=sys.stderr)
         return 1
-    report_file = write_distilled(kept, args.out, report)
-    print(f"{args.out}: {len(kept)} SFT rows; report {report_file}")
+    print(f"{report.format()}\n{args.out}: {len(kept)} SFT rows; report {report_file}")
     return 0
 
 

@@ -1,10 +1,10 @@
 """What a co-occurrence count is, independent of where the token positions come from (rewards/corpus.py:
 infini-gram; tests/memory_counter.py: a token array).
 
-count_cooccurrence(head_words, tail_words, window) counts how often every query phrase (an AND term) occurs
-within `window` tokens of the others; a phrase matches where any of its token variants does (an OR, e.g. with
-and without a leading space for byte-level BPE), and a phrase with an unknown word makes the count 0.
-Two definitions of "within the window" (docs/recipes.md, "Corpus counts", says why the first is the default):
+count_cooccurrence counts how often every query phrase (an AND term) occurs within `window` tokens of the
+others; a phrase matches where any of its token variants does (an OR: with and without a leading space for
+byte-level BPE), and a phrase with an unknown word counts 0. Two definitions of "within the window"
+(docs/recipes.md, "Corpus counts", says why the first is the default):
 
 "engine": exactly infini-gram's `count_cnf(cnf, max_diff_tokens=window)`, the count the corpus paper's
 thresholds were calibrated on. Each occurrence of the rarest clause starts a range [l, r]; each further clause
@@ -15,8 +15,8 @@ Ranges spanning a document separator are dropped, and the count is scaled back b
 factors (integer ratios, as the engine computes them).
 
 "document": the occurrences of the rarest phrase with every other phrase starting within `window` tokens in
-the SAME document, each side checked separately. Where a partner in a neighbouring document is nearer on one
-side, the engine's range takes it, crosses the separator and is dropped; this count keeps the occurrence.
+the SAME document, each side checked separately (where the engine's range takes a nearer partner from a
+neighbouring document, crosses the separator and is dropped, this count keeps the occurrence).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-SEMANTICS = ("engine", "document")
+SEMANTICS = ("engine", "document")  # checked by the callers: grpo.config's schema, the CLI's choices
 _WORD = re.compile(r"[^\W_]+")
 
 
@@ -165,7 +165,7 @@ class CooccurrenceCounter(ABC):
     def __init__(self, tokenizer: WordTokenizer | ExternalTokenizer, *, cache_positions: int = 4_000_000,
                  semantics: str = "engine") -> None:
         self.tokenizer = tokenizer
-        self.semantics = _check_semantics(semantics)
+        self.semantics = semantics
         self._cache: OrderedDict[tuple, Clause] = OrderedDict()
         self._cached_positions = 0
         self._cache_limit = cache_positions
@@ -203,19 +203,12 @@ class CooccurrenceCounter(ABC):
                              f"{list(tail_words)}")
         if window < 0:
             raise ValueError(f"window must be >= 0 tokens, got {window}")
-        semantics = self.semantics if semantics is None else _check_semantics(semantics)
         clauses = []
         for phrase in [*head_words, *tail_words]:
             clause = self.clause(phrase)
             if clause is None or len(clause.positions) == 0:
                 return 0
             clauses.append(clause)
-        if semantics == "document":
+        if (semantics or self.semantics) == "document":
             return document_window_count(clauses, window)
         return engine_window_count(clauses, window, self.document_starts)
-
-
-def _check_semantics(semantics: str) -> str:
-    if semantics not in SEMANTICS:
-        raise ValueError(f"co-occurrence semantics must be one of {SEMANTICS}, got {semantics!r}")
-    return semantics

@@ -1,16 +1,14 @@
 """Building a corpus index (rewards/corpus.py queries it): tokenise a jsonl corpus, store the ids in infini-gram's
 v4 files and run its suffix-array builder (`infini_gram.indexing.build_sa`).
 
-The token stream is 16-bit: the builder's 32-bit mode allocates 32 GiB of counting bins whatever the corpus
-size (bench/README.md). Ids that do not fit one token take two, so the number of ids has no cap:
+The token stream is 16-bit (docs/recipes.md, "Corpus counts", says why); ids that do not fit one token take two:
 
     "u16"    every id is one token (ids 0..MAX_SINGLE_ID); one separator token 0xFFFF per document.
     "u16x2"  every id v is the pair (1 + v // LOW_IDS, HIGH_IDS + 1 + v % LOW_IDS): first tokens lie in
              [1, HIGH_IDS], second ones above, so a phrase's pattern matches only at the start of a pair; two
              separator tokens per document, so every position is exactly twice its "u16" one.
 
-choose_layout picks "u16" when every id fits, else "u16x2" up to MAX_PAIR_ID (over a billion ids). No token
-has 0xFF as its high byte, so the engine's byte-level search for the separator matches real separators only.
+No token has 0xFF as its high byte, so the engine's byte-level search for the separator finds real ones only.
 
 infini-gram quirks handled here: the builder chdirs (restored), panics with several jobs on a tiny corpus (one
 CPU below 16 MiB) and calls exit(1) on failure (a RuntimeError here); the engine sorts its files by substrings
@@ -131,8 +129,6 @@ def _encode_corpus(input_path: Path, text_field: str, tokenizer: WordTokenizer |
             if len(ids) and ids.min() < 0:
                 raise ValueError(f"{input_path}: document {len(lengths)} has a negative token id {ids.min()}")
             largest = max(largest, int(ids.max()) if len(ids) else 0)
-            if largest > MAX_PAIR_ID:
-                choose_layout(largest, f"{input_path} (document {len(lengths)})")
             handle.write(ids.astype(np.uint32).tobytes())
             lengths.append(len(ids))
     return np.asarray(lengths, dtype=np.int64), largest
