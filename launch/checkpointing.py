@@ -18,7 +18,6 @@ import torch
 from grpo.config import Config
 from grpo.trainer import Policy, phase
 from models.checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
-from models.lora import load_lora_checkpoint, save_lora_checkpoint
 
 
 class Checkpointer:
@@ -42,8 +41,7 @@ class Checkpointer:
     def resume(self, checkpoint: Path) -> int:
         """Load weights, optimizer, schedule and this rank's data position from `checkpoint` (checked before
         anything is loaded); the run continues after its step, which is returned."""
-        load = load_lora_checkpoint if self.lora.enabled else load_checkpoint
-        step, extra = load(checkpoint, self.policy.model, self.policy.optimizer)
+        step, extra = load_checkpoint(checkpoint, self.policy.model, self.policy.optimizer)
         self.policy.scheduler.load_state_dict(extra["scheduler"])
         self.positions = list(extra["sampler_position"])  # every rank's, for the rollout ranks of a separate placement
         self.sampler.position = self.positions[self.dist.rank]
@@ -80,11 +78,8 @@ class Checkpointer:
         positions = [int(p) for p in dist.all_reduce_sum(one_hot).tolist()]
         extra = {"scheduler": self.policy.scheduler.state_dict(), "sampler_position": positions}
         target = self.directory / f"step_{step}"
-        if self.lora.enabled:
-            save_lora_checkpoint(target, model, self.tokenizer, self.policy.optimizer, step, extra=extra,
-                                 merged_export=self.lora.merged_export)
-        else:
-            save_checkpoint(target, model, self.tokenizer, self.policy.optimizer, step, extra=extra)
+        save_checkpoint(target, model, self.tokenizer, self.policy.optimizer, step, extra=extra,
+                        merged_export=self.lora.merged_export)
         return target
 
     def end_step(self, done: int) -> bool:

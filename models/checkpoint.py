@@ -6,7 +6,7 @@ Layout of `step_<n>/`:
     model.safetensors, config.json, generation_config.json, tokenizer files     (rank 0)
     or, for a LoRA model: adapter_model.safetensors, adapter_config.json, tokenizer files, [merged/]
     optimizer/                 torch.distributed.checkpoint files             (every rank)
-    rng/rank_<r>.safetensors   torch / CUDA / generator states; rng/rank_<r>.json: python and numpy states
+    rng/rank_<r>.safetensors   torch / CUDA / generator states; python and numpy states in its metadata
     trainer_state.json         {"step", "world_size", "has_optimizer", "lora", "extra"}
     COMPLETE                   written last: {"step", "files": {relative path: size in bytes}}
 Everything is written into a hidden sibling `.step_<n>.partial`, renamed into place once COMPLETE is written, so a
@@ -54,8 +54,35 @@ def _hf_class_name(model: torch.nn.Module) -> str:
     return type(model).__name__
 
 
-def _write_model(directory: Path, model: torch.nn.Module, weights: dict, tokenizer) -> None:
-    """An HF model directory holding `weights` (full CPU tensors under HF names) and `model`'s configs."""
+def _trained_weights(model: torch.nn.Module) -> tuple[list[tuple[str, torch.Tensor]], str]:
+    """What a checkpoint holds of the model, as (file name, parameter: a DTensor shard or a plain tensor) in
+    module order, and the file: every weight, or a LoRA model's adapter tensors under PeftModel's names
+    ("base_model.model.<module>.lora_A.weight")."""
+    if not lora.is_lora(model):
+        return fsdp.named_weights(model), WEIGHTS
+    return [("base_model.model." + name.replace(f".{lora.ADAPTER}.", "."), tensor)
+            for name, tensor in fsdp.named_weights(model) if lora.is_adapter_name(name)], ADAPTER_WEIGHTS
+
+
+def _write_weights(directory: Path, model: torch.nn.Module, tokenizer, merged_export: bool) -> None:
+    """Every rank gathers, rank 0 writes: a LoRA model's adapter (only its tensors are gathered) and tokenizer;
+    the whole model as an HF directory, or with merged_export a LoRA model merged into merged/ (no peft needed)."""
+    is_rank0, adapter = fsdp.rank() == 0, lora.is_lora(model)
+    if adapter:
+        weights = {name: (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().cpu()
+                   for name, tensor in _trained_weights(model)[0]}
+        if is_rank0:
+            model.peft_config[lora.ADAPTER].save_pretrained(directory)
+            save_file({name: tensor.contiguous() for name, tensor in weights.items()}, directory / ADAPTER_WEIGHTS,
+                      metadata={"format": "pt"})
+            if tokenizer is not None:
+                tokenizer.save_pretrained(directory)
+    if adapter and not merged_export:
+        return
+    weights = {name: tensor.cpu() for name, tensor in lora.merged_state_dict(model) if is_rank0}
+    if not is_rank0:
+        return
+    directory = directory / MERGED_DIR if adapter else directory
     directory.mkdir(exist_ok=True)
     save_file({name: tensor.contiguous() for name, tensor in weights.items()}, directory / WEIGHTS,
               metadata={"format": "pt"})
@@ -72,63 +99,41 @@ def _write_model(directory: Path, model: torch.nn.Module, weights: dict, tokeniz
         tokenizer.save_pretrained(directory)
 
 
-def _write_weights(directory: Path, model: torch.nn.Module, tokenizer, merged_export: bool) -> None:
-    """Every rank: the whole model, or a LoRA model's adapter and tokenizer (and with merged_export the merged
-    model in merged/, which transformers and vLLM load with no peft). Rank 0 writes what every rank gathers."""
-    is_rank0 = fsdp.rank() == 0
-    if not lora.is_lora(model):
-        weights = {name: tensor.cpu() for name, tensor in fsdp.full_state_dict(model) if is_rank0}
-        if is_rank0:
-            _write_model(directory, model, weights, tokenizer)
-        return
-    adapter = lora.adapter_state_dict(model)
-    merged = ({name: tensor.cpu() for name, tensor in lora.merged_state_dict(model) if is_rank0}
-              if merged_export else None)
-    if is_rank0:
-        lora.adapter_config(model).save_pretrained(directory)
-        save_file(adapter, directory / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-        if tokenizer is not None:
-            tokenizer.save_pretrained(directory)
-        if merged is not None:
-            _write_model(directory / MERGED_DIR, model, merged, tokenizer)
-
-
-def _rng_paths(directory: Path, rank: int) -> tuple[Path, Path]:
-    return directory / "rng" / f"rank_{rank:05d}.safetensors", directory / "rng" / f"rank_{rank:05d}.json"
+def _rng_path(directory: Path) -> Path:
+    return directory / "rng" / f"rank_{fsdp.rank():05d}.safetensors"
 
 
 def _write_rng(directory: Path, rng: torch.Generator | None) -> None:
-    tensor_path, json_path = _rng_paths(directory, fsdp.rank())
-    tensor_path.parent.mkdir(exist_ok=True)
+    path = _rng_path(directory)
+    path.parent.mkdir(exist_ok=True)
     tensors = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         tensors.update({f"torch_cuda_{index}": state for index, state in enumerate(torch.cuda.get_rng_state_all())})
     if rng is not None:
         tensors["generator"] = rng.get_state()
-    save_file(tensors, tensor_path)
     version, python_state, gauss = random.getstate()
     name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
-    json_path.write_text(json.dumps({
-        "python": [version, list(python_state), gauss],
-        "numpy": [name, keys.tolist(), int(position), int(has_gauss), float(cached_gaussian)],
-    }))
+    save_file(tensors, path, metadata={
+        "python": json.dumps([version, python_state, gauss]),
+        "numpy": json.dumps([name, keys.tolist(), int(position), int(has_gauss), float(cached_gaussian)]),
+    })
 
 
 def _restore_rng(directory: Path, rng: torch.Generator | None) -> None:
-    tensor_path, json_path = _rng_paths(directory, fsdp.rank())
-    tensors = load_file(tensor_path)
-    states = json.loads(json_path.read_text())
+    path = _rng_path(directory)
+    with safe_open(path, framework="pt") as handle:
+        states, tensors = handle.metadata(), {name: handle.get_tensor(name) for name in handle.keys()}
     torch.set_rng_state(tensors["torch_cpu"])
     cuda_states = [tensors[f"torch_cuda_{index}"] for index in range(len(tensors)) if f"torch_cuda_{index}" in tensors]
     if cuda_states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda_states)
     if rng is not None:
         if "generator" not in tensors:
-            raise ValueError(f"{tensor_path} holds no generator state, but load_checkpoint was given rng=")
+            raise ValueError(f"{path} holds no generator state, but load_checkpoint was given rng=")
         rng.set_state(tensors["generator"])
-    version, python_state, gauss = states["python"]
+    version, python_state, gauss = json.loads(states["python"])
     random.setstate((version, tuple(python_state), gauss))
-    name, keys, position, has_gauss, cached_gaussian = states["numpy"]
+    name, keys, position, has_gauss, cached_gaussian = json.loads(states["numpy"])
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached_gaussian))
 
 
@@ -175,9 +180,7 @@ def save_checkpoint(
     rng: a generator of the trainer's own to save besides the global torch / CUDA / python / numpy RNGs.
     extra: JSON-serialisable trainer state (data position, scheduler state, ...), returned by load_checkpoint.
     merged_export: for a LoRA model, also write the merged model to merged/.
-    A write that fails on any rank (disk full, file too large) raises CheckpointWriteError on every rank, naming
-    the path and the bytes needed, after the partial directory is removed; earlier checkpoints stay as they were.
-    """
+    A write that fails on any rank raises CheckpointWriteError on every rank."""
     final = Path(directory)
     partial = final.parent / f".{final.name}.partial"
     adapter = lora.is_lora(model)
@@ -247,28 +250,10 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return complete[-1][1] if complete else None
 
 
-def _read_adapter(directory: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The saved adapter's tensors, once their names and shapes and the rank and alpha fit the model's adapter."""
-    try:
-        adapter = load_file(directory / ADAPTER_WEIGHTS)
-    except Exception as error:  # safetensors raises its own error types for damaged files
-        raise ValueError(f"{directory / ADAPTER_WEIGHTS} is damaged ({error})") from None
-    mismatch = fsdp.shape_mismatch({name: tuple(t.shape) for name, t in lora.adapter_weights(model)},
-                                   {name: tuple(t.shape) for name, t in adapter.items()})
-    if mismatch:
-        raise ValueError(f"{directory / ADAPTER_WEIGHTS} does not fit the model's adapter: {mismatch}")
-    saved, ours = json.loads((directory / ADAPTER_CONFIG).read_text()), lora.adapter_config(model)
-    for key, value in (("r", ours.r), ("lora_alpha", ours.lora_alpha)):
-        if saved.get(key) != value:
-            raise ValueError(f"{directory / ADAPTER_CONFIG}: {key}={saved.get(key)!r}, "
-                             f"the model's adapter has {value!r}")
-    return adapter
-
-
-def _verify(directory: Path, model: torch.nn.Module, optimizer) -> dict | None:
-    """Rank 0, before anything is loaded: the marker, every listed file's size, the trainer state, then the
-    weights' names and shapes against the model's (the tensors are read by the load, except the small
-    adapter's). Returns the adapter's tensors for a LoRA model, else None; raises the first problem found."""
+def _verify(directory: Path, model: torch.nn.Module, optimizer) -> None:
+    """Rank 0, before anything is loaded: the marker, every listed file's size, the trainer state, the weights'
+    names and shapes (from the file's header) against the model's, and a LoRA adapter's rank and alpha; raises
+    the first problem found."""
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
     if not (directory / MARKER).is_file():
@@ -285,28 +270,27 @@ def _verify(directory: Path, model: torch.nn.Module, optimizer) -> dict | None:
         if path.stat().st_size != size:
             raise ValueError(f"checkpoint file {path} has {path.stat().st_size} bytes, {size} were written: "
                              "it is damaged")
-    try:
-        state = json.loads((directory / STATE).read_text())
-    except (ValueError, OSError) as error:
-        raise ValueError(f"{directory / STATE} is damaged ({error})") from None
+    state = json.loads((directory / STATE).read_text())  # its size was checked above
     is_adapter = lora.is_lora(model)
     if is_adapter and not state.get("lora"):
         raise ValueError(f"{directory} is not a LoRA checkpoint (model.lora is set): resume it with LoRA off")
     if state.get("lora") and not is_adapter:
         raise ValueError(f"{directory} is a LoRA checkpoint (adapter only): resume it with model.lora on")
-    adapter = None
+    weights, file = _trained_weights(model)
+    with safe_open(directory / file, framework="pt") as handle:
+        shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+    mismatch = fsdp.shape_mismatch({name: tuple(tensor.shape) for name, tensor in weights}, shapes)
+    if mismatch:
+        raise ValueError(f"{directory / file} does not fit the model{'s adapter' if is_adapter else ''}: {mismatch}")
     if is_adapter:
-        adapter = _read_adapter(directory, model)
-    else:
-        with safe_open(directory / WEIGHTS, framework="pt") as handle:
-            shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
-        mismatch = fsdp.shape_mismatch({name: tuple(t.shape) for name, t in fsdp.named_weights(model)}, shapes)
-        if mismatch:
-            raise ValueError(f"{directory / WEIGHTS} does not fit the model: {mismatch}")
+        saved, ours = json.loads((directory / ADAPTER_CONFIG).read_text()), model.peft_config[lora.ADAPTER]
+        for key, value in (("r", ours.r), ("lora_alpha", ours.lora_alpha)):
+            if saved.get(key) != value:
+                raise ValueError(f"{directory / ADAPTER_CONFIG}: {key}={saved.get(key)!r}, "
+                                 f"the model's adapter has {value!r}")
     if optimizer is not None and not state.get("has_optimizer", False):
         raise ValueError(f"{directory} was saved without optimizer state; pass optimizer=None to load only the "
                          f"{'adapter' if is_adapter else 'weights'}")
-    return adapter
 
 
 def load_checkpoint(
@@ -317,27 +301,22 @@ def load_checkpoint(
     rng: torch.Generator | None = None,
 ) -> tuple[int, dict]:
     """Restore the weights (a LoRA model: its adapter), optimizer state and RNG states from `directory` into a
-    model prepared as for training (sharded or not); return (step, extra).
-
-    Every rank must call it. The whole checkpoint is verified (marker, file sizes, weight names and shapes)
-    before anything is loaded, and the optimizer is read into a copy first, so a damaged checkpoint raises
-    without leaving the model or optimizer half-loaded.
-    """
+    model prepared as for training (sharded or not; apply_lora with the same settings); return (step, extra).
+    Every rank must call it. A damaged checkpoint raises before the model or optimizer is changed."""
     directory = Path(directory)
-    adapter_state, error = None, None
+    error = None
     if fsdp.rank() == 0:
         try:
-            adapter_state = _verify(directory, model, optimizer)
+            _verify(directory, model, optimizer)
         except Exception as caught:  # raised on every rank below, so no rank waits in a collective
             error = caught
     fsdp.raise_on_all_ranks(error)
     state = json.loads((directory / STATE).read_text())
     if optimizer is not None:
         fsdp.load_optimizer_state(str(directory / "optimizer"), model, optimizer)
-    if lora.is_lora(model):
-        lora.load_adapter_state(model, adapter_state)
-    else:  # read only now: the weights are then not held while the optimizer state loads (through a copy)
-        fsdp.load_full_weights(model, load_file(directory / WEIGHTS) if fsdp.rank() == 0 else None)
+    # Read only now: the weights are then not held while the optimizer state loads (through a copy).
+    weights, file = _trained_weights(model)
+    fsdp.load_full_weights(weights, load_file(directory / file) if fsdp.rank() == 0 else None)
     if state["world_size"] == fsdp.world_size():
         _restore_rng(directory, rng)
     else:

@@ -2,8 +2,7 @@
 (weight sync, export), rank-0 loading with a broadcast, and distributed optimizer checkpoints.
 
 Without torch.distributed initialised every function here also works on a plain single-process model, so
-callers need no branches. The order of operations follows torch's FSDP2 guide: shard each decoder layer,
-then the root (embeddings, final norm, lm_head: a tied embedding stays in one group).
+callers need no branches.
 """
 from __future__ import annotations
 
@@ -17,16 +16,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_map
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from models.loading import load_model, resolve_attn_implementation, resolve_model_dir
-
-# Prefixes that wrappers add to parameter names (torch.compile, activation checkpointing, FSDP1).
-_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
-
 
 # The ranks this package's collectives span: the whole world, or, when the rollout runs on ranks of its own
 # (rollout.placement=separate), the ranks of this rank's role (launch.dist sets it once, with use_group).
@@ -85,22 +80,13 @@ def first_error(error: BaseException | None) -> tuple[int, str] | None:
     return next(((index, text) for index, text in enumerate(messages) if text is not None), None)
 
 
-def shard(
-    model: torch.nn.Module,
-    mesh,
-    *,
-    param_dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype = torch.float32,
-    reshard_after_forward: bool = True,
-    cpu_offload: bool = False,
-) -> torch.nn.Module:
-    """Shard `model` in place with FSDP2 over the 1-D `mesh` and return it.
+def shard(model: torch.nn.Module, mesh, *, param_dtype: torch.dtype | None) -> torch.nn.Module:
+    """Shard `model` in place with FSDP2 over the 1-D `mesh` and return it: each decoder layer, then the root.
 
-    One FSDP unit per decoder layer, then the root, which holds the embeddings, the final norm and lm_head
-    (a tied lm_head is the embedding's own parameter, so both stay in that one group). The root is never
-    resharded after forward: its gathered lm_head weight is what models.logprobs.completion_logprobs
-    projects the hidden states with between forward and backward. Gradients are summed, not averaged,
-    over ranks: the losses divide by the global token count themselves; sum-only collectives also run on gloo.
+    The root (embeddings, final norm, lm_head; a tied lm_head is the embedding's own parameter) is never
+    resharded after forward: its gathered lm_head weight is what models.logprobs.completion_logprobs projects
+    the hidden states with between forward and backward. Gradients are reduced in fp32 and summed, not
+    averaged, over ranks (the losses divide by the global token count; sum-only collectives also run on gloo).
     param_dtype: the dtype of gathered parameters in forward/backward (None: the parameters' own dtype).
     """
     # The decoder layers: the repeated blocks, whose class names HF lists in `_no_split_modules`.
@@ -109,12 +95,10 @@ def shard(
     if not layers:
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__} "
                          f"(its _no_split_modules is {sorted(names)})")
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy, offload_policy=offload,
-                    reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -122,15 +106,8 @@ def shard(
     return model
 
 
-def _clean_name(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
 def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether `model` is sharded with FSDP2 (shard makes its class a subclass of FSDPModule)."""
-    return isinstance(model, FSDPModule)
+    return isinstance(model, FSDPModule)  # shard makes the model's class a subclass of FSDPModule
 
 
 def reshard(model: torch.nn.Module) -> None:
@@ -152,7 +129,7 @@ def _buffers(model: torch.nn.Module, persistent: bool) -> list[tuple[str, Tensor
 def named_weights(model: torch.nn.Module) -> list[tuple[str, Tensor]]:
     """(HF name, parameter or persistent buffer), tied aliases once, in the model's fixed module order."""
     reshard(model)
-    return [(_clean_name(name), tensor) for name, tensor in [*model.named_parameters(), *_buffers(model, True)]]
+    return [*model.named_parameters(), *_buffers(model, True)]
 
 
 def full_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
@@ -198,14 +175,13 @@ def copy_from_rank0(target: Tensor, source: Tensor | None) -> None:
         target.copy_(source)
 
 
-def load_full_weights(model: torch.nn.Module, state_dict: dict[str, Tensor] | None) -> None:
-    """Copy full tensors (held by rank 0; others pass None) into the model's shards, checked first: every name
-    and shape is compared before anything is copied, so a wrong checkpoint never half-loads."""
-    weights = named_weights(model)
+def load_full_weights(weights: list[tuple[str, Tensor]], state_dict: dict[str, Tensor] | None) -> None:
+    """Copy full tensors (held by rank 0; others pass None) into `weights` (named_weights, or a subset of them),
+    checked first: every name and shape is compared before anything is copied, so nothing half-loads."""
     mismatch = None
     if rank() == 0:
         mismatch = shape_mismatch({name: tuple(tensor.shape) for name, tensor in weights},
-                                  {name: tuple(tensor.shape) for name, tensor in (state_dict or {}).items()})
+                                  {name: tuple(tensor.shape) for name, tensor in state_dict.items()})
     raise_on_all_ranks(mismatch and ValueError(f"weights do not match the model: {mismatch}"))
     for name, target in weights:
         copy_from_rank0(target, state_dict[name] if rank() == 0 else None)
@@ -216,9 +192,6 @@ def load_sharded_model(
     mesh=None,
     *,
     param_dtype: torch.dtype | None = torch.bfloat16,
-    reduce_dtype: torch.dtype = torch.float32,
-    reshard_after_forward: bool = True,
-    cpu_offload: bool = False,
     device: str | torch.device = "cpu",
     attn_implementation: str = "auto",
     gradient_checkpointing: bool = False,
@@ -251,9 +224,8 @@ def load_sharded_model(
         model.config.use_cache = False
     if prepare is not None:
         prepare(model)
-    shard(model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-          reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
-    model.to_empty(device="cpu" if cpu_offload else device)
+    shard(model, mesh, param_dtype=param_dtype)
+    model.to_empty(device=device)
     full, buffers = None, {}
     if rank() == 0:
         pretrained = load_model(directory, dtype=dtype, device="cpu", trust_remote_code=trust_remote_code)
@@ -261,7 +233,7 @@ def load_sharded_model(
             prepare(pretrained)
         full, buffers = dict(named_weights(pretrained)), dict(_buffers(pretrained, False))
         del pretrained
-    load_full_weights(model, full)
+    load_full_weights(named_weights(model), full)
     # to_empty left the buffers no state dict holds (rotary inv_freq) uninitialised: rank 0's are sent too.
     for name, buffer in _buffers(model, False):
         copy_from_rank0(buffer, buffers.get(name))
@@ -272,18 +244,17 @@ def load_sharded_model(
 
 
 @contextlib.contextmanager
-def _single_process_quiet():
+def _quiet_dcp():
     # Without a process group DCP warns that it assumes a single process, which is exactly the intent here.
     with warnings.catch_warnings():
-        if not is_distributed():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
 
 
 def save_optimizer_state(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """torch.distributed.checkpoint files of the optimizer state (each rank writes its shards), keyed by
     parameter name, so a resume can even change how the model is wrapped."""
-    with _single_process_quiet():
+    with _quiet_dcp():
         dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path,
                  no_dist=not is_distributed(), process_group=_GROUP)
 
@@ -291,12 +262,11 @@ def save_optimizer_state(path: str, model: torch.nn.Module, optimizer: torch.opt
 def load_optimizer_state(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Restore what save_optimizer_state wrote. The files are read into a copy of the state first, so a
     missing or mismatched entry raises before the optimizer's own state tensors are replaced."""
-    # get_optimizer_state_dict allocates a fresh optimizer's state (a zero-lr step) so there is a target
-    # of the right shapes to read into.
+    # get_optimizer_state_dict allocates a fresh optimizer's state (a zero-lr step): a target of the right shapes.
     target = tree_map(lambda value: value.clone() if isinstance(value, Tensor) else value,
                       {"optimizer": get_optimizer_state_dict(model, optimizer)})
     try:
-        with _single_process_quiet():
+        with _quiet_dcp():
             dcp.load(target, checkpoint_id=path, no_dist=not is_distributed(), process_group=_GROUP)
     except Exception as error:
         raise ValueError(f"optimizer state in {path} does not match this model/optimizer or is damaged: "

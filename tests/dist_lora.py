@@ -16,7 +16,8 @@ import torch.distributed as dist
 from models import fsdp
 from models.batching import pad_batch
 from models.logprobs import completion_logprobs
-from models.lora import apply_lora, disabled_adapters, load_lora_checkpoint, merged_state_dict, save_lora_checkpoint
+from models.checkpoint import load_checkpoint, save_checkpoint
+from models.lora import apply_lora, disabled_adapters, merged_state_dict
 from tiny import tiny_model
 from tests_support import full_tensor, resume_check, run_under_torchrun
 
@@ -124,7 +125,7 @@ def checkpoint_round_trip(arch, tie, model, optimizer, directory: Path) -> dict:
 
     rank = dist.get_rank()
     out = {}
-    save_lora_checkpoint(directory, model, None, optimizer, step=2, extra={"position": 5}, merged_export=True)
+    save_checkpoint(directory, model, None, optimizer, step=2, extra={"position": 5}, merged_export=True)
     probe = torch.tensor([[1, 500, 77, 3000, 12, 9, 4000, 2]])
     model.eval()
     with torch.no_grad():
@@ -135,7 +136,7 @@ def checkpoint_round_trip(arch, tie, model, optimizer, directory: Path) -> dict:
         with torch.no_grad():
             out["peft_logits_max_abs_diff"] = (peft_model(input_ids=probe).logits - sharded_logits).abs().max().item()
             out["merged_export_logits_max_abs_diff"] = (exported(input_ids=probe).logits - sharded_logits).abs().max().item()
-    out.update(resume_check(model, optimizer, lambda: load_lora_checkpoint(directory, model, optimizer)))
+    out.update(resume_check(model, optimizer, lambda: load_checkpoint(directory, model, optimizer)))
     return out
 
 

@@ -10,11 +10,10 @@ import torch
 
 from models import fsdp, load_tokenizer
 from models.batching import pad_batch
-from models.checkpoint import latest_checkpoint, load_checkpoint
+from launch.recipe import load_config
+from models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from models.logprobs import completion_logprobs
-from models.lora import (
-    apply_lora, disabled_adapters, is_lora, load_lora_checkpoint, merged_state_dict, save_lora_checkpoint,
-)
+from models.lora import apply_lora, disabled_adapters, is_lora, merged_state_dict
 from tiny import tiny_model
 from rollout.hf_engine import HFEngine
 from rollout.sync import bucketed
@@ -82,7 +81,10 @@ def tokenizer():
 ])
 def test_bad_settings_name_the_key_and_value(options, key, value):
     with pytest.raises(ValueError) as caught:
-        apply_lora(base_model(tie=False), **{"rank": RANK, "alpha": ALPHA, **options})
+        if "target_modules" in options:  # checked against the model's modules
+            apply_lora(base_model(tie=False), **{"rank": RANK, "alpha": ALPHA, **options})
+        else:  # the ranges of rank, alpha and dropout: the recipe's schema (grpo.config.LoraConfig)
+            load_config({"model": {"lora": {"enabled": True, **options}}})
     assert key in str(caught.value) and value in str(caught.value)
 
 
@@ -212,27 +214,27 @@ def test_adapter_round_trips_through_peft_format(tmp_path):
     from peft import PeftModel
 
     model = lora_model("qwen3", tie=False)
-    adapter = save_lora_checkpoint(tmp_path / "step_1", model, None, None, 1)  # the adapter at the top level
+    adapter = save_checkpoint(tmp_path / "step_1", model, None, None, 1)  # the adapter at the top level
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", RANK, ALPHA)
     loaded = PeftModel.from_pretrained(base_model("qwen3", tie=False), adapter)
     assert torch.equal(logprobs_of(loaded.base_model.model), logprobs_of(model))
     fresh = apply_lora(base_model("qwen3", tie=False), rank=RANK, alpha=ALPHA)
-    load_lora_checkpoint(adapter, fresh)
+    load_checkpoint(adapter, fresh)
     assert torch.equal(logprobs_of(fresh), logprobs_of(model))
     mismatched = apply_lora(base_model("qwen3", tie=False), rank=RANK, alpha=2 * ALPHA)
     with pytest.raises(ValueError, match="lora_alpha"):
-        load_lora_checkpoint(adapter, mismatched)
+        load_checkpoint(adapter, mismatched)
     narrower = apply_lora(base_model("qwen3", tie=False), rank=RANK, alpha=ALPHA, target_modules=["q_proj"])
     with pytest.raises(ValueError, match="does not fit"):
-        load_lora_checkpoint(adapter, narrower)
+        load_checkpoint(adapter, narrower)
 
 
 def test_merged_export_loads_in_plain_transformers(tmp_path, tokenizer):
     from transformers import AutoModelForCausalLM
 
     model = lora_model()
-    directory = save_lora_checkpoint(tmp_path / "step_1", model, tokenizer, None, 1, merged_export=True)
+    directory = save_checkpoint(tmp_path / "step_1", model, tokenizer, None, 1, merged_export=True)
     exported = AutoModelForCausalLM.from_pretrained(directory / "merged", local_files_only=True)
     assert not is_lora(exported) and exported.config.architectures == ["LlamaForCausalLM"]
     assert (logprobs_of(exported) - logprobs_of(model)).abs().max() <= 1e-5
@@ -247,36 +249,36 @@ def test_lora_checkpoint_resumes_exactly(tmp_path, tokenizer):
     uninterrupted = [train_step(model, optimizer, seed) for seed in range(4)]
     model, optimizer = new_run(0)
     resumed = [train_step(model, optimizer, seed) for seed in range(2)]
-    directory = save_lora_checkpoint(tmp_path / "checkpoints" / "step_2", model, tokenizer, optimizer, 2,
-                                     extra={"position": 6}, merged_export=True)
+    directory = save_checkpoint(tmp_path / "checkpoints" / "step_2", model, tokenizer, optimizer, 2,
+                                extra={"position": 6}, merged_export=True)
     assert latest_checkpoint(tmp_path) == directory
     assert not (directory / "model.safetensors").exists()  # the adapter, not the whole model
     assert load_tokenizer(directory).chat_template == tokenizer.chat_template
     model, optimizer = new_run(9)  # a different adapter until the checkpoint is loaded
-    assert load_lora_checkpoint(directory, model, optimizer) == (2, {"position": 6})
+    assert load_checkpoint(directory, model, optimizer) == (2, {"position": 6})
     resumed += [train_step(model, optimizer, seed) for seed in range(2, 4)]
     assert resumed == uninterrupted  # bit for bit
     with pytest.raises(ValueError, match="not a LoRA checkpoint"):
         (directory / "trainer_state.json").write_text(json.dumps({"step": 2, "world_size": 1, "extra": {}}))
         _fix_marker(directory)
-        load_lora_checkpoint(directory, model, optimizer)
+        load_checkpoint(directory, model, optimizer)
 
 
 
 def test_lora_checkpoint_is_verified_before_loading(tmp_path):
     saved_model = lora_model("qwen3", tie=False)
-    directory = save_lora_checkpoint(tmp_path / "step_1", saved_model, None, None, 1)
+    directory = save_checkpoint(tmp_path / "step_1", saved_model, None, None, 1)
     model = apply_lora(base_model("qwen3", tie=False), rank=RANK, alpha=ALPHA, seed=5)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     with pytest.raises(ValueError, match="without optimizer state; pass optimizer=None to load only the adapter"):
-        load_lora_checkpoint(directory, model, optimizer)
-    with pytest.raises(ValueError, match="is a LoRA checkpoint"):  # the whole-model loader refuses an adapter
+        load_checkpoint(directory, model, optimizer)
+    with pytest.raises(ValueError, match="is a LoRA checkpoint"):  # a model without LoRA refuses an adapter
         load_checkpoint(directory, base_model("qwen3", tie=False))
     path = directory / "adapter_model.safetensors"
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(ValueError, match="adapter_model.safetensors has .* bytes.*damaged"):
-        load_lora_checkpoint(directory, model)
+        load_checkpoint(directory, model)
     assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
     assert not optimizer.state
 
