@@ -88,27 +88,18 @@ def flash_varlen_attention(query, key, value, layout: dict, scaling, varlen_func
     return output.transpose(0, 1)[None]
 
 
-def _packed_attention(query, key, value, segments, varlen: dict | None, scaling) -> Tensor:
-    """Attention of one packed row: query [1, H, N, D], key/value [1, Hkv, N, D] -> [1, N, H, D].
-    varlen: a varlen_layout, given only where flash-attn is used."""
-    if query.shape[0] != 1:
-        raise ValueError(f"a packed pass holds one row; got query of shape {tuple(query.shape)}")
-    if varlen is not None:
-        from flash_attn import flash_attn_varlen_func  # optional, CUDA only
-
-        output = flash_varlen_attention(query, key, value, varlen, scaling, flash_attn_varlen_func)
-    else:
-        output = segment_attention(query, key, value, segments, scaling)
-    return output.transpose(1, 2).contiguous()
-
-
 def _dispatching(original):
     """`original` (a transformers attention function), except for calls that carry our keyword arguments."""
 
     def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
         segments, varlen = kwargs.pop("packed_segments", None), kwargs.pop("packed_varlen", None)
+        if varlen is not None:  # a varlen_layout, given only where flash-attn is used
+            from flash_attn import flash_attn_varlen_func  # optional, CUDA only
+
+            output = flash_varlen_attention(query, key, value, varlen, scaling, flash_attn_varlen_func)
+            return output.transpose(1, 2).contiguous(), None
         if segments is not None:
-            return _packed_attention(query, key, value, segments, varlen, scaling), None
+            return segment_attention(query, key, value, segments, scaling).transpose(1, 2).contiguous(), None
         function = sdpa_native_gqa if kwargs.pop("native_gqa", False) else original
         return function(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 

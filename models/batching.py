@@ -44,38 +44,22 @@ def pad_batch(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequ
     input_ids = torch.full((batch_size, prompt_len + completion_len), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((batch_size, prompt_len + completion_len), dtype=torch.long)
     for row, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids)):
-        start = prompt_len - len(prompt)
-        input_ids[row, start:prompt_len] = torch.as_tensor(list(prompt), dtype=torch.long)
-        attention_mask[row, start:prompt_len] = 1
-        if len(completion):
-            completion_columns = slice(prompt_len, prompt_len + len(completion))
-            input_ids[row, completion_columns] = torch.as_tensor(list(completion), dtype=torch.long)
-            attention_mask[row, prompt_len : prompt_len + len(completion)] = 1
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    completion_mask = attention_mask[:, prompt_len:].to(torch.float32)
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": position_ids,
-        "completion_mask": completion_mask,
-        "prompt_len": prompt_len,
-    }
+        columns = slice(prompt_len - len(prompt), prompt_len + len(completion))
+        input_ids[row, columns] = torch.as_tensor([*prompt, *completion], dtype=torch.long)
+        attention_mask[row, columns] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
+            "completion_mask": attention_mask[:, prompt_len:].to(torch.float32), "prompt_len": prompt_len}
 
 
 def micro_batches_by_tokens(lengths: Sequence[int], max_tokens: int, *, min_count: int = 1) -> list[list[int]]:
-    """Split items of the given token lengths into micro-batches of at most `max_tokens` tokens each, as few as
-    the budget allows (at least `min_count`), with the tokens spread evenly over them.
+    """Split items of the given token lengths (a sequence, or one prompt's group that a packed pass shares)
+    into as few micro-batches of at most `max_tokens` tokens each as the budget allows, with the tokens spread
+    evenly over them; returns lists of item indices, each ascending, ordered by their first index.
 
-    lengths:   [N] token count of each item (a sequence, or whatever the caller keeps together, e.g. one
-               prompt's group, so a packed pass can share its prompt).
-    max_tokens: the budget of one micro-batch: the sum of its items' lengths (what a packed pass computes).
     min_count: the least number of micro-batches, e.g. the largest count any rank needs, so that every rank
-               runs the same number of forward/backward passes (FSDP's collectives pair up across ranks). Where
-               there are fewer items than that, the extra micro-batches are empty lists: the caller runs them as
-               zero-weight passes.
-    Returns micro-batches as lists of item indices, each ascending, ordered by their first index.
-    Raises ValueError naming the item and both numbers when one item alone exceeds the budget.
-
+    runs the same number of forward/backward passes (FSDP's collectives pair up across ranks); the extra ones
+    are empty lists, which the caller runs as zero-weight passes.
     How: k starts at max(ceil(total / max_tokens), min_count); items in decreasing length go to the least
     loaded micro-batch that still has room (longest-processing-time first); if some item fits nowhere, k grows
     by one. Ties go to the lower micro-batch, so the plan is deterministic.

@@ -27,9 +27,7 @@ def render_prompt(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]
         ):
             raise ValueError(f"message {index} must be a dict with string 'role' and 'content', got {message!r:.200}")
     encoded = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-    # transformers 5 returns a BatchEncoding here; older versions returned the list of ids itself.
-    ids = encoded["input_ids"] if isinstance(encoded, Mapping) or hasattr(encoded, "keys") else encoded
-    return [int(token) for token in ids]
+    return [int(token) for token in encoded["input_ids"]]
 
 
 def prefix_decoder(tokenizer) -> Callable[[Sequence[int]], list[str]]:

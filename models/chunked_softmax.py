@@ -31,11 +31,6 @@ def _log_distribution(logits: Tensor, temperature: float) -> Tensor:
     return torch.log_softmax(logits if temperature == 1.0 else logits.div_(temperature), dim=-1)
 
 
-def _chunks(num_rows: int, chunk_size: int):
-    for start in range(0, num_rows, chunk_size):
-        yield slice(start, min(start + chunk_size, num_rows))
-
-
 class LogprobsFromHidden(torch.autograd.Function):
     """(hidden [N, H], weight [V, H], bias [V] or None, labels [N], temperature, chunk_size, with_entropy)
     -> (logprobs [N] fp32, entropy [N] fp32, or [0] when not requested).
@@ -49,7 +44,8 @@ class LogprobsFromHidden(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, with_entropy):
         logprobs = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logprobs) if with_entropy else logprobs.new_empty(0)
-        for rows in _chunks(hidden.shape[0], chunk_size):
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
             log_distribution = _log_distribution(fp32_logits(hidden[rows], weight, bias), temperature)
             logprobs[rows] = log_distribution.gather(-1, labels[rows].unsqueeze(-1)).squeeze(-1)
             if with_entropy:
@@ -67,7 +63,8 @@ class LogprobsFromHidden(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
-        for rows in _chunks(hidden.shape[0], ctx.chunk_size):
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            rows = slice(start, start + ctx.chunk_size)
             # The gradient with respect to the chunk's scaled logits (see the module docstring), then / T.
             log_distribution = _log_distribution(fp32_logits(hidden[rows], weight, bias), ctx.temperature)
             distribution = log_distribution.exp()

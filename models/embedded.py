@@ -45,12 +45,6 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def converted_dir_for(gguf_path: Path) -> Path:
-    """The cache directory a GGUF file converts into; its name changes when the file's size does."""
-    size = gguf_path.stat().st_size
-    return cache_root() / f"{gguf_path.stem}-{size}-v{CONVERSION_VERSION}"
-
-
 def is_converted(directory: Path) -> bool:
     return (directory / COMPLETE_MARKER).is_file()
 
@@ -66,7 +60,8 @@ def convert_gguf(gguf_path: Path) -> Path:
     gguf_path = Path(gguf_path).expanduser().resolve()
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    target = converted_dir_for(gguf_path)
+    # The cache directory's name changes when the file's size does.
+    target = cache_root() / f"{gguf_path.stem}-{gguf_path.stat().st_size}-v{CONVERSION_VERSION}"
     if is_converted(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 
 import torch
+from huggingface_hub import snapshot_download
+from huggingface_hub.constants import HF_HUB_CACHE
 
 from models import embedded
 
@@ -30,54 +32,32 @@ def resolve_model_dir(name_or_path: str | os.PathLike | None, *, need_weights: b
         return embedded.convert_gguf(embedded.embedded_gguf_path())
     text = str(name_or_path)
     path = Path(text).expanduser()
-    if path.is_dir():
-        if need_weights:
-            _check_model_dir(path)
-        return path
     if path.is_file():
         if path.suffix == ".gguf":
             return embedded.convert_gguf(path)
         raise ValueError(f"{path} is a file; pass a model directory (config.json + *.safetensors) or a .gguf file")
-    if _looks_like_hub_id(text):
-        return _cached_hub_snapshot(text, need_weights)
-    raise FileNotFoundError(f"model path {path} does not exist; pass a directory holding config.json and weights")
-
-
-def _looks_like_hub_id(text: str) -> bool:
-    # "org/name" with exactly one slash and no path syntax; "./x", "/x", "~/x" and "a/b/c" are paths.
-    return text.count("/") == 1 and not text.startswith((".", "/", "~")) and all(text.split("/"))
-
-
-def _check_model_dir(directory: Path) -> None:
-    if not (directory / "config.json").is_file():
+    # "org/name" with exactly one slash and no path syntax is a hub id; "./x", "/x", "~/x" and "a/b/c" are paths.
+    if not path.exists() and text.count("/") == 1 and not text.startswith((".", "/", "~")) and all(text.split("/")):
+        try:  # local_files_only: the HF_HUB_OFFLINE behaviour, whatever the environment says
+            path = Path(snapshot_download(text, local_files_only=True))
+        except (OSError, ValueError) as error:
+            raise FileNotFoundError(
+                f"{text!r} is neither a local path nor a model in the local Hugging Face cache ({HF_HUB_CACHE}); "
+                "this project never downloads weights. Download it on a machine with network access "
+                f"(`huggingface-cli download {text} --local-dir DIR`), copy DIR here and pass DIR as the model"
+            ) from error
+    if not path.is_dir():
+        raise FileNotFoundError(f"model path {path} does not exist; pass a directory holding config.json and weights")
+    if not need_weights:
+        return path
+    if not (path / "config.json").is_file():
         raise FileNotFoundError(
-            f"{directory} has no config.json; pass a Hugging Face model directory (as written by save_pretrained)"
-        )
-    if not any((directory / name).is_file() for name in WEIGHT_FILES) and not list(directory.glob("*.safetensors")):
+            f"{path} has no config.json; pass a Hugging Face model directory (as written by save_pretrained)")
+    if not any((path / name).is_file() for name in WEIGHT_FILES) and not list(path.glob("*.safetensors")):
         raise FileNotFoundError(
-            f"{directory} has a config.json but no weights (expected one of {', '.join(WEIGHT_FILES)}); "
-            "copy the weight files into it or point at a complete model directory"
-        )
-
-
-def _cached_hub_snapshot(repo_id: str, need_weights: bool) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        # local_files_only: the HF_HUB_OFFLINE behaviour, whatever the environment says.
-        snapshot = Path(snapshot_download(repo_id, local_files_only=True))
-    except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError) as error:
-        from huggingface_hub.constants import HF_HUB_CACHE
-
-        raise FileNotFoundError(
-            f"{repo_id!r} is neither a local path nor a model in the local Hugging Face cache ({HF_HUB_CACHE}); "
-            "this project never downloads weights. Download it on a machine with network access "
-            f"(`huggingface-cli download {repo_id} --local-dir DIR`), copy DIR here and pass DIR as the model"
-        ) from error
-    if need_weights:
-        _check_model_dir(snapshot)
-    return snapshot
+            f"{path} has a config.json but no weights (expected one of {', '.join(WEIGHT_FILES)}); "
+            "copy the weight files into it or point at a complete model directory")
+    return path
 
 
 def choose_attention(requested: str, device_type: str, compute_dtype: str, flash_attn: bool) -> str:

@@ -159,13 +159,12 @@ def unpackable(model) -> str | None:
     return None
 
 
-def _packed_hidden(model, batch: dict, prompt_index: Tensor | None, captured: dict) -> tuple[Tensor, Tensor]:
-    """Final hidden states [M, H] predicting the M real completion tokens (row-major), and those tokens [M],
-    from one packed forward. prompt_index: [B] rows sharing a packed prompt, or None."""
+def _packed_hidden(model, batch: dict, prompt_index: Tensor | None, captured: dict, device) -> tuple[Tensor, Tensor]:
+    """The packed pass (one forward): hidden states [M, H] and labels [M] as _completion_hidden returns them.
+    prompt_index: [B], rows that share a packed prompt, or None."""
     reason = unpackable(model)
     if reason is not None:
         raise ValueError(reason)
-    device = model.get_output_embeddings().weight.device
     packed = pack_batch(batch, None if prompt_index is None else prompt_index.cpu())
     attention_kwargs = {"packed_segments": packed.segments}
     if model.config._attn_implementation == "flash_attention_2":  # bf16/fp16 compute (models.loading)
@@ -199,56 +198,49 @@ def _shared_prompt_hidden(model, batch: dict, prompt_len: int, unique_rows: Tens
     return torch.cat([last_prompt_hidden[prompt_index], captured["hidden"][:, :-1]], dim=1)
 
 
-def _completion_hidden(model, batch: dict, original: dict, *, share_prompts: bool, packed: bool):
+def _completion_hidden(model, batch: dict, *, share_prompts: bool, packed: bool) -> tuple[Tensor, Tensor]:
     """The final hidden states [M, H] that predict the M real completion tokens (row-major order of
-    completion_mask) and those tokens [M], by the pass completion_logprobs chose.
-
-    batch: input_ids, attention_mask, position_ids on the model's input device; original: the caller's
-    pad_batch dict (completion_mask, prompt_len)."""
-    input_ids, completion_mask = batch["input_ids"], original["completion_mask"]
-    prompt_len = int(original["prompt_len"])
+    completion_mask) and those tokens [M], by the pass completion_logprobs chose."""
+    completion_mask, prompt_len = batch["completion_mask"], int(batch["prompt_len"])
+    # The inputs go to the output projection's device (a sharded model's is a DTensor on its compute device).
+    device = model.get_output_embeddings().weight.device
+    inputs = {key: batch[key].to(device) for key in ("input_ids", "attention_mask", "position_ids")}
     captured: dict[str, Tensor] = {}
 
     def keep_final_hidden(module, args, output):
         captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
 
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if decoder is None or decoder is model:
-        raise ValueError(f"{type(model).__name__} exposes no decoder module (model.get_decoder()); "
-                         "cannot fuse its lm_head")
-    handle = decoder.register_forward_hook(keep_final_hidden)
+    handle = model.get_decoder().register_forward_hook(keep_final_hidden)
     install_dispatch()
     try:
-        unique_rows, prompt_index = prompt_groups(input_ids, batch["attention_mask"], prompt_len)
-        shared = share_prompts and len(unique_rows) < len(input_ids)
+        unique_rows, prompt_index = prompt_groups(inputs["input_ids"], inputs["attention_mask"], prompt_len)
+        shared = share_prompts and len(unique_rows) < len(prompt_index)
         # transformers checkpoints layers only in train mode with gradients on.
         checkpointing = (getattr(model, "is_gradient_checkpointing", False) and model.training
                          and torch.is_grad_enabled())
-        # The shared-prompt pass runs two forwards on a KV cache. Gradient checkpointing drops that cache inside
-        # its layers. Under FSDP every rank must run as many forwards as the others (each all-gathers every
-        # layer's weights), while whether a micro-batch repeats a prompt differs from rank to rank; a model sharded
-        # over several ranks therefore never takes it, and the decision needs no collective (one rank has no other
-        # to disagree with, and computes what one process does). In both cases the packed pass shares the prompts
-        # in one forward where the model can pack, and the plain pass runs where it cannot.
-        several_ranks = fsdp.is_sharded(model) and fsdp.world_size() > 1
-        on_cache = shared and not checkpointing and not several_ranks
+        # The shared-prompt pass runs two forwards on a KV cache, which gradient checkpointing drops inside its
+        # layers. Under FSDP every rank must run as many forwards as the others (each all-gathers every layer),
+        # while whether a micro-batch repeats a prompt differs from rank to rank, so a model sharded over several
+        # ranks never takes it (one rank computes what one process does). The packed pass then shares the
+        # prompts in one forward where the model can pack; the plain pass runs where it cannot.
+        on_cache = shared and not checkpointing and not (fsdp.is_sharded(model) and fsdp.world_size() > 1)
         if packed or (shared and not on_cache and unpackable(model) is None):
-            return _packed_hidden(model, original, prompt_index if shared else None, captured)
+            return _packed_hidden(model, batch, prompt_index if shared else None, captured, device)
         # On CPU, transformers' sdpa copies every key/value head num_key_value_groups times whenever a mask is
         # passed (and its backward sums the copies back); torch's kernel takes grouped-query attention natively
         # (models.attention): faster, with the same logprobs.
-        native = getattr(model.config, "_attn_implementation", None) == "sdpa" and input_ids.device.type == "cpu"
+        native = model.config._attn_implementation == "sdpa" and device.type == "cpu"
         attention_kwargs = {"native_gqa": True} if native else {}
         if on_cache and completion_mask.shape[1] > 0:
-            hidden = _shared_prompt_hidden(model, batch, prompt_len, unique_rows, prompt_index, captured,
+            hidden = _shared_prompt_hidden(model, inputs, prompt_len, unique_rows, prompt_index, captured,
                                            **attention_kwargs)
         else:
             # logits_to_keep=1: the model's own lm_head then runs on one position only ([B, 1, V], unused).
-            model(**batch, use_cache=False, logits_to_keep=1, **attention_kwargs)
+            model(**inputs, use_cache=False, logits_to_keep=1, **attention_kwargs)
             hidden = captured["hidden"][:, prompt_len - 1 : prompt_len - 1 + completion_mask.shape[1]]
         # hidden[:, t] (column Lp-1+t) predicts completion token t; only real completion tokens are projected.
         selected = completion_mask.to(hidden.device) > 0
-        return hidden[selected], input_ids[:, prompt_len:].to(hidden.device)[selected]
+        return hidden[selected], inputs["input_ids"][:, prompt_len:].to(hidden.device)[selected]
     finally:
         handle.remove()
 
@@ -270,10 +262,9 @@ def completion_logprobs(
            completion_mask [B, T], prompt_len Lp).
     Returns (logprobs [B, T] float32, entropy [B, T] float32 or None); both are 0 where completion_mask is 0.
     Differentiable with respect to the model's parameters, for a plain HF model and an FSDP2-sharded one.
-    share_prompts: when rows repeat a prompt (GRPO's G completions per prompt), run each distinct prompt once,
-           with a forward over U*Lp + B*T tokens instead of B*(Lp+T): the completions on its KV cache, or,
-           under gradient checkpointing (which drops that cache) and on a sharded model, by the packed pass
-           where the model can pack.
+    share_prompts: when rows repeat a prompt (GRPO's G completions per prompt), run each distinct prompt once:
+           the completions on its KV cache, or (under gradient checkpointing, and on a model sharded over
+           several ranks) by the packed pass where the model can pack. False: the plain pass.
     packed: run the micro-batch as one padding-free packed row (pack_batch): each distinct prompt once (with
            share_prompts) and every completion at its own length, U*Lp + sum(T_b) tokens.
     vocab_size: normalise over the first vocab_size rows of the output projection only: the ids an engine can
@@ -296,22 +287,15 @@ def completion_logprobs(
             f"with prompt_len {prompt_len} (expected ({batch_size}, {completion_len}))"
         )
     for key, neutral in _UNSUPPORTED_LOGIT_TRANSFORMS.items():
-        value = getattr(getattr(model, "config", None), key, neutral)
+        value = getattr(model.config, key, neutral)
         if value is not None and value != neutral:
             raise ValueError(f"{type(model).__name__} has config.{key}={value}: its logits are not a plain lm_head "
                              "projection, which completion_logprobs assumes")
-    # FSDP2 moves a sharded model's inputs to its compute device itself (also under CPU offload, where the
-    # parameters' own device is the CPU); a plain model gets them on its parameters' device.
-    input_device = model.get_output_embeddings().weight.device
-    inputs = {key: batch[key].to(input_device) for key in ("input_ids", "attention_mask", "position_ids")}
-    hidden, labels = _completion_hidden(model, inputs, batch, share_prompts=share_prompts, packed=packed)
+    hidden, labels = _completion_hidden(model, batch, share_prompts=share_prompts, packed=packed)
     # Read the projection only now: under FSDP2 the root's parameters are gathered (plain tensors swapped in
     # for the shards) from its forward until its backward; models.fsdp.shard keeps the root gathered.
     head = model.get_output_embeddings()
     weight, bias = head.weight, getattr(head, "bias", None)
-    if hasattr(weight, "full_tensor"):
-        raise ValueError("the output projection is still sharded after forward; shard the model with "
-                         "models.fsdp.shard (the root module must use reshard_after_forward=False)")
     if vocab_size is not None and vocab_size < weight.shape[0]:
         weight, bias = weight[:vocab_size], None if bias is None else bias[:vocab_size]
     logprobs_m, entropy_m = LogprobsFromHidden.apply(hidden, weight, bias, labels, float(temperature), chunk_size,

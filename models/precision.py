@@ -1,10 +1,8 @@
 """Mixed precision in one process: fp32 master weights (what AdamW steps), matrix products in bf16.
 
-Under torchrun FSDP2's MixedPrecisionPolicy gives the policy this precision (parameters gathered in the compute
-dtype, gradients reduced in fp32: models.fsdp.shard). One process has no FSDP, so the model's forward runs under
-torch.autocast instead: products (linear, matmul, attention) in the compute dtype, the residual stream, norms and
-softmaxes in fp32, gradients into the fp32 parameters. The same policy by a lighter mechanism (launch/plan.py
-names it per path), as transformers' Trainer does with bf16=True.
+Under torchrun FSDP2's MixedPrecisionPolicy gives this precision (models.fsdp.shard). One process has no FSDP, so
+the model's forward runs under torch.autocast instead, as transformers' Trainer does with bf16=True: products
+(linear, matmul, attention) in the compute dtype; the residual stream, norms, softmaxes and gradients in fp32.
 """
 from __future__ import annotations
 
