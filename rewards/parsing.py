@@ -14,7 +14,8 @@ from typing import NamedTuple
 
 # Every ASCII punctuation character (including `_`) becomes a space; see normalize_text.
 _PUNCTUATION_TO_SPACE = str.maketrans({character: " " for character in string.punctuation})
-_SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+")
+_SENTENCE = re.compile(r"\S+(?:(?<![.!?])\s+\S+)*")  # words joined by whitespace that follows no . ! or ?
+_OPENING = re.compile(r"<(?:(think)|answer)>", re.IGNORECASE)
 _WORD = re.compile(r"[^\W_]+")
 _THINK_ANSWER = re.compile(r"\s*<think>(.*)</think>\s*<answer>(.*)</answer>\s*", re.IGNORECASE | re.DOTALL)
 MIN_THINK_WORDS = 3
@@ -98,31 +99,22 @@ def extract_block(text: str, name: str) -> str | None:
 def scoring_regions(text: str) -> list[tuple[int, int]]:
     """Content spans of the `<think>` and `<answer>` blocks, left to right, as the alternation regex
     `<think>(.*?)</think>|<answer>(.*?)</answer>` (re.I | re.S) finds them (a block nested in another is part of
-    the outer one); the whole text when there is no complete block. Linear: each next opening tag is remembered.
+    the outer one); the whole text when there is no complete block. Linear, where that regex is quadratic on
+    unclosed tags: an opening tag matches when its kind's last closing tag lies after it.
 
     >>> scoring_regions("<think>a. b.</think><answer>c</answer>"), scoring_regions("no tags")
     ([(7, 12), (28, 29)], [(0, 7)])
     """
+    last_closing = {name: max((tag.start() for tag in _tag(name, closing=True).finditer(text)), default=-1)
+                    for name in ("think", "answer")}
     regions: list[tuple[int, int]] = []
     position = 0
-    next_opening: dict[str, re.Match | None] = {}
-    alive = ["think", "answer"]
-    while alive:
-        for name in alive:
-            cached = next_opening.get(name)
-            if cached is None or cached.start() < position:
-                next_opening[name] = _tag(name, closing=False).search(text, position)
-        alive = [name for name in alive if next_opening[name] is not None]
-        if not alive:
-            break
-        name = min(alive, key=lambda candidate: next_opening[candidate].start())
-        opening = next_opening[name]
-        closing = _tag(name, closing=True).search(text, opening.end())
-        if closing is None:  # no closing tag of this kind anywhere after: this kind can never match again
-            alive.remove(name)
-            continue
-        regions.append((opening.end(), closing.start()))
-        position = closing.end()
+    for opening in _OPENING.finditer(text):
+        name = "think" if opening.group(1) else "answer"
+        if opening.start() >= position and last_closing[name] >= opening.end():
+            closing = _tag(name, closing=True).search(text, opening.end())
+            regions.append((opening.end(), closing.start()))
+            position = closing.end()
     return regions or [(0, len(text))]
 
 
@@ -134,18 +126,8 @@ def split_sentences(text: str) -> list[tuple[int, int]]:
     >>> [text[start:end] for start, end in split_sentences(text)]
     ['Paris is in France.', 'It is big!', 'Paris']
     """
-    sentences: list[tuple[int, int]] = []
-    for start, end in scoring_regions(text):
-        piece_start = start  # a region starts after a tag's ">" or at 0: the lookbehind sees nothing before it
-        for separator in [*_SENTENCE_BREAK.finditer(text, start, end), None]:
-            piece_end = end if separator is None else separator.start()
-            piece = text[piece_start:piece_end]
-            stripped = piece.strip()
-            if stripped:
-                leading = piece_start + len(piece) - len(piece.lstrip())
-                sentences.append((leading, leading + len(stripped)))
-            piece_start = piece_end if separator is None else separator.end()
-    return sentences
+    return [sentence.span() for start, end in scoring_regions(text)
+            for sentence in _SENTENCE.finditer(text, start, end)]
 
 
 def think_answer_format(text: str) -> bool:
