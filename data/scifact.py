@@ -24,18 +24,16 @@ DEFAULT_SPLITS = ("train", "dev")
 
 # Kept short on purpose: the embedded 135M model must learn the format on a CPU within minutes, and every
 # instruction token is paid for in every SFT and RL step. It still states the exact output format.
-INSTRUCTIONS = (
-    "Does the text support or refute the claim? Answer SUPPORTS, REFUTES or NOT_ENOUGH_INFO and copy "
-    "the evidence sentences, in exactly this format:\n"
-    "<answer>\n"
-    "LABEL\n"
-    "</answer>\n"
-    "\n"
-    "<evidence>\n"
-    "[1] evidence sentence\n"
-    "</evidence>\n"
-    "For NOT_ENOUGH_INFO leave the evidence empty."
-)
+INSTRUCTIONS = """Does the text support or refute the claim? Answer SUPPORTS, REFUTES or NOT_ENOUGH_INFO and copy \
+the evidence sentences, in exactly this format:
+<answer>
+LABEL
+</answer>
+
+<evidence>
+[1] evidence sentence
+</evidence>
+For NOT_ENOUGH_INFO leave the evidence empty."""
 
 
 def _one_line(text: str) -> str:
