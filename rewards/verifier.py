@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections import deque
 from importlib import resources
 
 from rewards.parsing import load_ground_truth
@@ -66,10 +67,7 @@ def last_boxed_span(text: str) -> tuple[int, int] | None:
 
 def last_match(pattern: re.Pattern, text: str) -> re.Match | None:
     """The last match of `pattern` in `text`, or None (FINAL_JUDGMENT: the last "Final Judgment" marker)."""
-    last = None
-    for last in pattern.finditer(text):
-        pass
-    return last
+    return next(iter(deque(pattern.finditer(text), maxlen=1)), None)
 
 
 def parse_judgment(text: str) -> str | None:
