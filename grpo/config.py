@@ -19,6 +19,7 @@ DTYPES = ("float32", "bfloat16")
 ATTENTIONS = ("auto", "sdpa", "eager", "flash_attention_2")
 ENGINES = ("hf", "vllm")
 RESUMES = ("never", "auto", "always")
+CHECKPOINTS = ("full", "weights", "none")
 PLACEMENTS = ("colocated", "separate")
 SCHEDULES = ("constant", "linear", "cosine")
 EXTRACTORS = ("rule", "model")
@@ -308,6 +309,9 @@ class TrainerConfig(Section):
     """SFT: examples per step per rank."""
     sft_max_len: int = bounded(1024, 1)
     """SFT: longer examples fail at start-up."""
+    checkpoint: str = choice("full", CHECKPOINTS)
+    """What a checkpoint holds: full (weights, optimizer, RNG: a run resumes from it), weights (the HF model or
+    LoRA adapter only: for init_from and eval, about a third of full with AdamW), or none (no checkpoints)."""
     save_every: int = bounded(0, 0)
     """Checkpoint every N steps (0: only at the end)."""
     keep_last: int = bounded(0, 0)
@@ -316,6 +320,8 @@ class TrainerConfig(Section):
     """never; auto: from the latest complete checkpoint when there is one (torchrun --max-restarts); always."""
     resume_changes: list[str] = field(default_factory=list)
     """Settings a resume may change from the run's recorded ones, e.g. [optim.lr]; other differences are refused."""
+    resume_fallback: bool = False
+    """A resume whose latest checkpoint is damaged continues from the newest intact one before it (false: refused)."""
     overwrite: bool = False
     """A fresh run in a directory holding an earlier run's checkpoints removes them first (false: refused)."""
     collective_timeout_s: float = bounded(1800.0, 0, low_open=True)
@@ -373,7 +379,8 @@ class Config(Section):
 
 # What a resume may change without naming it in trainer.resume_changes: how the run is executed, evaluated, logged
 # and checkpointed, and its length; every other setting defines what the checkpoint's run trains.
-RESUME_FREE = ("trainer.steps", "trainer.resume", "trainer.resume_changes", "trainer.overwrite", "trainer.save_every",
+RESUME_FREE = ("trainer.steps", "trainer.resume", "trainer.resume_changes", "trainer.resume_fallback",
+               "trainer.overwrite", "trainer.checkpoint", "trainer.save_every",
                "trainer.keep_last", "trainer.collective_timeout_s", "trainer.nccl_blocking_wait", "trainer.out_dir",
                "trainer.run_name", "trainer.wandb_project", "trainer.max_consecutive_skips", "trainer.warn_after_steps",
                "trainer.warn_truncation", "trainer.warn_flat_groups", "trainer.eval_every", "trainer.eval_before",
@@ -436,6 +443,9 @@ def check(cfg: Config, world_size: int = 1, *, whole_world: int | None = None) -
     if trainer.eval_every > trainer.steps:
         raise ConfigError(f"trainer.eval_every={trainer.eval_every} exceeds trainer.steps={trainer.steps}: no "
                           "held-out point would fall inside the run (0 scores before and after only)")
+    if trainer.save_every and trainer.checkpoint == "none":
+        raise ConfigError(f"trainer.save_every={trainer.save_every} with trainer.checkpoint=none: nothing would be "
+                          f"written; set trainer.save_every=0 or trainer.checkpoint=full")
     if trainer.eval_every and not cfg.data.eval_files:
         raise ConfigError(f"trainer.eval_every={trainer.eval_every} needs held-out rows: data.eval_files is empty")
     if cfg.reward.timeout_s is not None and cfg.reward.num_workers == 0:

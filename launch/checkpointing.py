@@ -34,6 +34,7 @@ class Checkpointer:
         self.policy, self.tokenizer, self.sampler, self.dist = policy, tokenizer, sampler, dist
         self.lora, self.steps, self.stop_requested = cfg.model.lora, cfg.trainer.steps, stop_requested
         self.save_every, self.keep_last = cfg.trainer.save_every, cfg.trainer.keep_last
+        self.holds = cfg.trainer.checkpoint  # full, weights or none
         self.start_step = self.completed_steps = 0
         self.positions: list[int] | None = None
         self.step = 1  # the step the run is at: the one in progress, or the one being checkpointed (for errors)
@@ -49,9 +50,11 @@ class Checkpointer:
         self.step = step + 1
         return step
 
-    def save(self, step: int) -> Path:
-        """Write checkpoints/step_<step>, then delete the ones trainer.keep_last no longer keeps; RuntimeError,
-        before anything is written, when a weight is not finite."""
+    def save(self, step: int) -> Path | None:
+        """Write checkpoints/step_<step> (None with trainer.checkpoint=none), then delete the ones trainer.keep_last
+        no longer keeps; RuntimeError, before anything is written, when a weight is not finite."""
+        if self.holds == "none":
+            return None
         with phase("checkpoint", step):
             target = self._write(step)
             if self.keep_last and self.dist.rank == 0:
@@ -78,7 +81,8 @@ class Checkpointer:
         positions = [int(p) for p in dist.all_reduce_sum(one_hot).tolist()]
         extra = {"scheduler": self.policy.scheduler.state_dict(), "sampler_position": positions}
         target = self.directory / f"step_{step}"
-        save_checkpoint(target, model, self.tokenizer, self.policy.optimizer, step, extra=extra,
+        optimizer = self.policy.optimizer if self.holds == "full" else None
+        save_checkpoint(target, model, self.tokenizer, optimizer, step, extra=extra,
                         merged_export=self.lora.merged_export)
         return target
 

@@ -19,7 +19,7 @@ from data.rows import read_rows, validate_row
 from grpo.config import Config, ConfigError, resume_differences, startup_warnings
 from launch.plan import Target, check_plan
 from models import load_tokenizer, render_prompt, resolve_model_dir
-from models.checkpoint import complete_checkpoints
+from models.checkpoint import check_files, complete_checkpoints
 from rewards.corpus import check_index
 from rollout.vllm_engine import check_vllm_version
 
@@ -158,11 +158,11 @@ def recorded_settings(run_dir: Path, step: int) -> tuple[Path, dict] | None:
     return path, yaml.safe_load(path.read_text()) or {}
 
 
-def _check_run_directory(cfg: Config, run_dir: Path) -> Path | None:
+def _check_run_directory(cfg: Config, run_dir: Path, notes: list[str]) -> Path | None:
     """The checkpoint to resume from (trainer.resume), or None for a fresh start. A fresh run never mixes with an
-    earlier run's checkpoints (refused unless trainer.overwrite), and a resume continues the run that wrote its
-    checkpoint: the settings that define a run must equal those it recorded (or be listed in
-    trainer.resume_changes)."""
+    earlier run's checkpoints (refused unless trainer.overwrite); a resume continues from an intact checkpoint
+    (every file's size and CRC-32) with optimizer state, of the run whose settings it recorded (differences
+    only as listed in trainer.resume_changes). A damaged checkpoint skipped goes to `notes`."""
     complete = complete_checkpoints(run_dir / "checkpoints")
     if cfg.trainer.resume == "always" and not complete:
         raise ConfigError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'} (trainer.resume=always)")
@@ -172,7 +172,18 @@ def _check_run_directory(cfg: Config, run_dir: Path) -> Path | None:
                               f"it with --resume (or trainer.resume=auto), start this run under another "
                               f"trainer.run_name, or set trainer.overwrite=true to remove them first")
         return None
-    step, latest = complete[-1]
+    for step, latest in reversed(complete):  # the newest intact one (older ones only with trainer.resume_fallback)
+        try:
+            state = check_files(latest)
+            break
+        except (OSError, ValueError) as error:
+            if not cfg.trainer.resume_fallback or step == complete[0][0]:
+                raise ConfigError(f"resuming: {error} (trainer.resume_fallback=true resumes from the newest intact "
+                                  f"checkpoint before it)") from None
+            notes.append(f"{error}; trainer.resume_fallback: skipped")
+    if not state.get("has_optimizer"):
+        raise ConfigError(f"resuming: {latest} holds no optimizer state (written with trainer.checkpoint=weights): "
+                          f"it can start a new run (init_from={latest}), not continue one")
     recorded = recorded_settings(run_dir, step)
     differences = resume_differences(cfg, recorded[1]) if recorded else []
     if differences:
@@ -202,7 +213,8 @@ def prepare(cfg: Config, dist, *, rows: list[dict] | None = None, eval_rows: lis
     """Every check a start makes before the model loads; ConfigError naming the key, file or row otherwise.
     rows / eval_rows: given in memory instead of data.train_files / data.eval_files (check_config)."""
     rows, eval_rows = check_config(cfg, dist, rows=rows, eval_rows=eval_rows)
-    latest = _check_run_directory(cfg, Path(cfg.trainer.out_dir) / cfg.trainer.run_name)
+    notes = startup_warnings(cfg)
+    latest = _check_run_directory(cfg, Path(cfg.trainer.out_dir) / cfg.trainer.run_name, notes)
     # A resumed run rebuilds the model from where the run started; the checkpointer (which verifies every file
     # first) then restores the weights, so a damaged checkpoint is refused before anything is loaded.
     source = cfg.init_from or cfg.model.name_or_path
@@ -220,5 +232,4 @@ def prepare(cfg: Config, dist, *, rows: list[dict] | None = None, eval_rows: lis
                           f"can hold: {longest} tokens (the longest prompt + rollout.max_new_tokens)")
     eval_prompt_ids = _tokenize_prompts(cfg, tokenizer, eval_rows, "data.eval_files")
     examples = _sft_examples(cfg, tokenizer, rows, prompt_ids) if cfg.stage == "sft" else []
-    return Prepared(rows, eval_rows, tokenizer, prompt_ids, eval_prompt_ids, examples, source, key, latest,
-                    startup_warnings(cfg))
+    return Prepared(rows, eval_rows, tokenizer, prompt_ids, eval_prompt_ids, examples, source, key, latest, notes)

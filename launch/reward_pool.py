@@ -160,7 +160,8 @@ class RewardPool:
 
     def _await_ready(self, worker: _Worker) -> dict[str, str]:
         if not worker.connection.poll(START_TIMEOUT_S):
-            raise RewardWorkerError(f"reward worker pid {worker.process.pid} did not start within {START_TIMEOUT_S:g} s")
+            raise RewardWorkerError(f"reward worker pid {worker.process.pid} did not start within "
+                                    f"{START_TIMEOUT_S:g} s")
         try:
             status, payload, remote_traceback = worker.connection.recv()
         except EOFError:

@@ -200,8 +200,11 @@ def main(argv=None) -> int:
             return 128 + summary["signal"] if summary.get("interrupted") else 0
         if "interrupted" in summary:
             name = signal.Signals(summary["signal"]).name
-            print(f"rank {dist.rank}: stopped by {name} after step {summary['interrupted']}; checkpoint written under "
-                  f"{summary['run_dir']}/checkpoints (continue with --resume or trainer.resume=auto)", file=sys.stderr)
+            written = (f"checkpoint written under {summary['run_dir']}/checkpoints (continue with --resume or "
+                       f"trainer.resume=auto)" if cfg.trainer.checkpoint == "full" else
+                       f"no resumable checkpoint (trainer.checkpoint={cfg.trainer.checkpoint})")
+            print(f"rank {dist.rank}: stopped by {name} after step {summary['interrupted']}; {written}",
+                  file=sys.stderr)
             return 128 + summary["signal"]
         if dist.is_main:
             print(json.dumps({"run_dir": summary["run_dir"], **{moment: summary[moment].get("means", {})

@@ -8,11 +8,12 @@ Layout of `step_<n>/`:
     optimizer/                 torch.distributed.checkpoint files             (every rank)
     rng/rank_<r>.safetensors   torch / CUDA / generator states; python and numpy states in its metadata
     trainer_state.json         {"step", "world_size", "has_optimizer", "lora", "extra"}
-    COMPLETE                   written last: {"step", "files": {relative path: size in bytes}}
+    COMPLETE                   written last: {"step", "files": {path: bytes}, "crc32": {path: CRC-32}}
 Everything is written into a hidden sibling `.step_<n>.partial`, renamed into place once COMPLETE is written, so a
 crash mid-save leaves nothing `latest_checkpoint` returns; a write that fails (a full disk, a file size limit)
 removes its partial directory and raises CheckpointWriteError naming the path and the bytes needed. A load
-checks everything it can before it changes anything.
+checks everything it can before it changes anything, every file's size and CRC-32 first (a flipped bit
+anywhere is refused, naming the file).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import random
 import re
 import shutil
 import warnings
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -67,22 +69,25 @@ def _trained_weights(model: torch.nn.Module) -> tuple[list[tuple[str, torch.Tens
 def _write_weights(directory: Path, model: torch.nn.Module, tokenizer, merged_export: bool) -> None:
     """Every rank gathers, rank 0 writes: a LoRA model's adapter (only its tensors are gathered) and tokenizer;
     the whole model as an HF directory, or with merged_export a LoRA model merged into merged/ (no peft needed)."""
-    is_rank0, adapter = fsdp.rank() == 0, lora.is_lora(model)
+    adapter = lora.is_lora(model)
     if adapter:
         weights = {name: (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().cpu()
                    for name, tensor in _trained_weights(model)[0]}
-        if is_rank0:
+        if fsdp.rank() == 0:
             model.peft_config[lora.ADAPTER].save_pretrained(directory)
             save_file({name: tensor.contiguous() for name, tensor in weights.items()}, directory / ADAPTER_WEIGHTS,
                       metadata={"format": "pt"})
             if tokenizer is not None:
                 tokenizer.save_pretrained(directory)
-    if adapter and not merged_export:
+    if not adapter or merged_export:
+        _write_model(directory / MERGED_DIR if adapter else directory, model, tokenizer)
+
+
+def _write_model(directory: Path, model: torch.nn.Module, tokenizer) -> None:
+    """The model (a LoRA model merged) as an HF directory that transformers and vLLM load; rank 0 writes."""
+    weights = {name: tensor.cpu() for name, tensor in lora.merged_state_dict(model) if fsdp.rank() == 0}
+    if fsdp.rank() != 0:
         return
-    weights = {name: tensor.cpu() for name, tensor in lora.merged_state_dict(model) if is_rank0}
-    if not is_rank0:
-        return
-    directory = directory / MERGED_DIR if adapter else directory
     directory.mkdir(exist_ok=True)
     save_file({name: tensor.contiguous() for name, tensor in weights.items()}, directory / WEIGHTS,
               metadata={"format": "pt"})
@@ -97,6 +102,35 @@ def _write_weights(directory: Path, model: torch.nn.Module, tokenizer, merged_ex
         model.generation_config.save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
+
+
+def merge_lora_checkpoint(directory: str | os.PathLike, base: str | os.PathLike | None = None) -> Path:
+    """A LoRA checkpoint as a model: its adapter merged into the base model, written once to directory/merged (an
+    HF directory for init_from, launch.eval and vLLM) and returned. base: the base model, by default the one
+    adapter_config.json names (the model the run trained from, as it was loaded)."""
+    from models.loading import load_model, load_tokenizer
+
+    directory = Path(directory)
+    merged = directory / MERGED_DIR
+    if (merged / WEIGHTS).is_file():
+        return merged
+    check_files(directory)
+    config = json.loads((directory / ADAPTER_CONFIG).read_text())
+    base = base or config.get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{directory / ADAPTER_CONFIG} names no base model: merge with python -m launch.merge "
+                         f"{directory} --base MODEL")
+    model = lora.apply_lora(load_model(base), rank=config["r"], alpha=config["lora_alpha"],
+                            target_modules=sorted(config["target_modules"]))
+    fsdp.load_full_weights(_trained_weights(model)[0], load_file(directory / ADAPTER_WEIGHTS))
+    partial = directory / f".{MERGED_DIR}.{os.getpid()}.partial"  # each process its own (torchrun ranks)
+    shutil.rmtree(partial, ignore_errors=True)
+    _write_model(partial, model, load_tokenizer(directory))
+    try:
+        os.rename(partial, merged)
+    except OSError:  # another process was first: its merged/ is the same
+        shutil.rmtree(partial)
+    return merged
 
 
 def _rng_path(directory: Path) -> Path:
@@ -145,6 +179,14 @@ def _fsync(path: Path) -> None:
         os.close(descriptor)
 
 
+def _crc32(path: Path) -> int:
+    checksum = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(16 << 20):
+            checksum = zlib.crc32(chunk, checksum)
+    return checksum
+
+
 def _seal(partial: Path, final: Path, step: int, state: dict) -> None:
     """Rank 0: trainer state, fsync every file, the COMPLETE marker, then the rename into place (an existing
     `final` is moved aside first and deleted after)."""
@@ -153,7 +195,8 @@ def _seal(partial: Path, final: Path, step: int, state: dict) -> None:
              for path in sorted(partial.rglob("*")) if path.is_file()}
     for relative in files:
         _fsync(partial / relative)
-    (partial / MARKER).write_text(json.dumps({"step": int(step), "files": files}, indent=1) + "\n")
+    checksums = {relative: _crc32(partial / relative) for relative in files}
+    (partial / MARKER).write_text(json.dumps({"step": int(step), "files": files, "crc32": checksums}, indent=1) + "\n")
     _fsync(partial / MARKER)
     previous = final.parent / f".{final.name}.previous"
     if final.exists():
@@ -250,17 +293,17 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return complete[-1][1] if complete else None
 
 
-def _verify(directory: Path, model: torch.nn.Module, optimizer) -> None:
-    """Rank 0, before anything is loaded: the marker, every listed file's size, the trainer state, the weights'
-    names and shapes (from the file's header) against the model's, and a LoRA adapter's rank and alpha; raises
-    the first problem found."""
+def check_files(directory: Path) -> dict:
+    """The marker, and every file it lists with the size and CRC-32 it was written with; returns the trainer
+    state. Raises the first problem found, naming the file."""
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
     if not (directory / MARKER).is_file():
         raise ValueError(f"{directory} has no {MARKER} marker: it is a partial or interrupted save; resume "
                          "from latest_checkpoint(run_dir) instead")
     try:
-        listed = json.loads((directory / MARKER).read_text())["files"]
+        marker = json.loads((directory / MARKER).read_text())
+        listed, checksums = marker["files"], marker["crc32"]
     except (ValueError, KeyError, OSError) as error:
         raise ValueError(f"{directory / MARKER} is damaged ({error}); resume from another checkpoint") from None
     for relative, size in listed.items():
@@ -270,7 +313,17 @@ def _verify(directory: Path, model: torch.nn.Module, optimizer) -> None:
         if path.stat().st_size != size:
             raise ValueError(f"checkpoint file {path} has {path.stat().st_size} bytes, {size} were written: "
                              "it is damaged")
-    state = json.loads((directory / STATE).read_text())  # its size was checked above
+    for relative, checksum in checksums.items():
+        if _crc32(directory / relative) != checksum:
+            raise ValueError(f"checkpoint file {directory / relative} is damaged: its CRC-32 differs from the one "
+                             f"written in {directory / MARKER}")
+    return json.loads((directory / STATE).read_text())
+
+
+def _verify(directory: Path, model: torch.nn.Module, optimizer) -> None:
+    """Rank 0, before anything is loaded: check_files, the weights' names and shapes (from the file's header)
+    against the model's, and a LoRA adapter's rank and alpha; raises the first problem found."""
+    state = check_files(directory)
     is_adapter = lora.is_lora(model)
     if is_adapter and not state.get("lora"):
         raise ValueError(f"{directory} is not a LoRA checkpoint (model.lora is set): resume it with LoRA off")

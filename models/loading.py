@@ -18,12 +18,14 @@ from models import embedded
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def resolve_model_dir(name_or_path: str | os.PathLike | None, *, need_weights: bool = True) -> Path:
     """Turn a model name into a local HF directory (config.json + weights).
 
-    None -> the embedded default (converted into the cache on first use); a directory -> itself;
+    None -> the embedded default (converted into the cache on first use); a directory -> itself, a LoRA
+    checkpoint -> its adapter merged into the base model (models.checkpoint.merge_lora_checkpoint);
     a `.gguf` file -> its converted cache directory; `org/name` that is not a path -> its snapshot in the
     local Hugging Face cache, never fetched from the network. need_weights=False accepts a directory that
     holds only a tokenizer.
@@ -50,6 +52,10 @@ def resolve_model_dir(name_or_path: str | os.PathLike | None, *, need_weights: b
         raise FileNotFoundError(f"model path {path} does not exist; pass a directory holding config.json and weights")
     if not need_weights:
         return path
+    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        from models.checkpoint import merge_lora_checkpoint  # models.checkpoint imports this module
+
+        return merge_lora_checkpoint(path)  # a LoRA checkpoint: its merged model
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"{path} has no config.json; pass a Hugging Face model directory (as written by save_pretrained)")
@@ -116,6 +122,9 @@ def load_tokenizer(name_or_path: str | os.PathLike | None = None, *, trust_remot
     from transformers import AutoTokenizer
 
     directory = resolve_model_dir(name_or_path, need_weights=False)
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{directory} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the model's "
+                         f"tokenizer files into it")
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code, local_files_only=True)
     except (OSError, ValueError) as error:

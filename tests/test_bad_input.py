@@ -100,6 +100,52 @@ def test_corrupt_checkpoint_is_refused(setup, capsys):
     shutil.rmtree(checkpoint)
 
 
+def _flip_a_bit(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10  # same size: only a checksum can tell
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_bit_anywhere_in_a_checkpoint_is_refused_naming_the_file(setup, capsys):
+    """Weights or optimizer state damaged without a change of size: refused by --resume --dry-run and --resume,
+    naming the file, and nothing trains from it; trainer.resume_fallback resumes from the intact step before
+    (on 5cd6fe9 --dry-run said ok and the weights loaded)."""
+    tmp, base = setup
+    assert main(base + ["trainer.steps=2", "trainer.save_every=1"]) == 0
+    run = tmp / "runs" / "bad"
+    before = (run / "metrics.jsonl").read_text()
+    for damaged in (run / "checkpoints" / "step_2" / "model.safetensors",
+                    max((run / "checkpoints" / "step_2" / "optimizer").iterdir(), key=lambda p: p.stat().st_size)):
+        intact = damaged.read_bytes()
+        _flip_a_bit(damaged)
+        for flags in (["--resume", "--dry-run"], ["--resume"]):
+            assert main(base + ["trainer.steps=3", *flags]) == 2, (damaged, flags)
+            err = capsys.readouterr().err
+            assert f"{damaged} is damaged" in err and "Traceback" not in err, err[-600:]
+        assert (run / "metrics.jsonl").read_text() == before
+        damaged.write_bytes(intact)
+    _flip_a_bit(run / "checkpoints" / "step_2" / "model.safetensors")
+    assert main(base + ["trainer.steps=3", "trainer.resume_fallback=true", "--resume", "--dry-run"]) == 0
+    assert "would resume from " + str(run / "checkpoints" / "step_1") in capsys.readouterr().out
+
+
+def test_checkpoint_policy_weights_only_or_none(setup, capsys):
+    """trainer.checkpoint=weights writes no optimizer state (a third of the bytes) and is refused as a resume
+    point, naming what it can do; none writes nothing (on 5cd6fe9 every checkpoint held the optimizer)."""
+    tmp, base = setup
+    assert main(base + ["trainer.run_name=full"]) == 0
+    assert main(base + ["trainer.run_name=weights", "trainer.checkpoint=weights"]) == 0
+    sizes = {name: sum(p.stat().st_size for p in (tmp / "runs" / name).rglob("*") if p.is_file())
+             for name in ("full", "weights")}
+    assert not (tmp / "runs" / "weights" / "checkpoints" / "step_1" / "optimizer").exists()
+    assert sizes["weights"] < sizes["full"] / 2, sizes
+    capsys.readouterr()
+    assert main(base + ["trainer.run_name=weights", "trainer.steps=2", "--resume"]) == 2
+    assert "holds no optimizer state" in capsys.readouterr().err
+    assert main(base + ["trainer.run_name=none", "trainer.checkpoint=none"]) == 0
+    assert (tmp / "runs" / "none" / "metrics.jsonl").is_file() and not (tmp / "runs" / "none" / "checkpoints").exists()
+
+
 # What a new user tried: each was accepted by --dry-run, and prompts_per_step=0 crashed deep in the loop
 # after writing a run directory. Each must now fail at start-up naming the key, the value and the range.
 NONSENSE = [

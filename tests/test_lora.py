@@ -4,6 +4,7 @@ nothing, and adapters round-trip through peft's format and through resumable che
 from __future__ import annotations
 
 import json
+import zlib
 
 import pytest
 import torch
@@ -240,6 +241,24 @@ def test_merged_export_loads_in_plain_transformers(tmp_path, tokenizer):
     assert (logprobs_of(exported) - logprobs_of(model)).abs().max() <= 1e-5
 
 
+def test_a_lora_checkpoint_loads_as_a_model_merged_on_first_use(tmp_path, tokenizer):
+    """init_from, launch.eval and vLLM load a LoRA checkpoint written without merged_export: the adapter is merged
+    into the base model adapter_config.json names (or --base), once, into merged/ (on 5cd6fe9: "has no config.json")."""
+    from launch.merge import main as merge
+    from models import load_model, resolve_model_dir
+
+    base_model("qwen3", tie=False).save_pretrained(tmp_path / "base")
+    model = with_adapter(load_model(tmp_path / "base"))
+    directory = save_checkpoint(tmp_path / "step_1", model, tokenizer, None, 1)
+    assert not (directory / "merged").exists()
+    assert resolve_model_dir(directory) == directory / "merged"
+    assert (logprobs_of(load_model(directory)) - logprobs_of(model)).abs().max() <= 1e-5
+    assert merge([str(directory)]) == 0  # already merged: the same directory
+    orphan = save_checkpoint(tmp_path / "step_2", lora_model("qwen3", tie=False), tokenizer, None, 2)
+    assert merge([str(orphan)]) == 2  # the in-memory base has no path: --base names it
+    assert merge([str(orphan), "--base", str(tmp_path / "base")]) == 0 and (orphan / "merged" / "config.json").is_file()
+
+
 def test_lora_checkpoint_resumes_exactly(tmp_path, tokenizer):
     def new_run(adapter_seed: int):
         model = apply_lora(base_model("qwen3", tie=False), rank=RANK, alpha=ALPHA, seed=adapter_seed)
@@ -286,4 +305,5 @@ def test_lora_checkpoint_is_verified_before_loading(tmp_path):
 def _fix_marker(directory):
     marker = json.loads((directory / "COMPLETE").read_text())
     marker["files"]["trainer_state.json"] = (directory / "trainer_state.json").stat().st_size
+    marker["crc32"]["trainer_state.json"] = zlib.crc32((directory / "trainer_state.json").read_bytes())
     (directory / "COMPLETE").write_text(json.dumps(marker))

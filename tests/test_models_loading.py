@@ -61,6 +61,13 @@ def test_tokenizer_without_chat_template_is_rejected(tokenizer, tmp_path):
         load_tokenizer(tmp_path)
 
 
+def test_a_model_directory_without_a_tokenizer_says_so(tmp_path):
+    """On 5cd6fe9 a directory with weights and no tokenizer files was refused as having "no chat template"."""
+    tiny_model("llama").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"{tmp_path} holds no tokenizer"):
+        load_tokenizer(tmp_path)
+
+
 def test_missing_path_names_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="does-not-exist"):
         load_model(tmp_path / "does-not-exist")
