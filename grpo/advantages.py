@@ -1,13 +1,11 @@
-"""From a step's rewards to its advantages: the penalties added to rewards first (DAPO's overlong shaping, the
-KL in the reward), DAPO's group filter, and the estimators behind one registry: GRPO, Dr. GRPO and the
-batch-std variant (one function, group_advantages, for outcome rewards and token-shaped returns); RLOO and
-REINFORCE++ for outcome rewards.
+"""From a step's rewards to its advantages: the penalties added to rewards (DAPO's overlong shaping, the KL in the
+reward), DAPO's group filter, and the estimators behind one registry: GRPO, Dr. GRPO and batch std (one function,
+group_advantages, for outcome rewards and token-shaped returns); RLOO and REINFORCE++ for outcome rewards.
 
 Conventions: std with Bessel's correction, eps = 1e-6, and a group whose returns are all equal gets exactly 0 --
-zeroed explicitly, because float32 alone gives 0.056 for eight rewards of 0.7. An estimator whose statistics
-span the batch (batch_std, reinforce_pp) receives the sum over ranks as an argument, `all_reduce_sum`, so the
-math stays pure and one process is the same code with the identity. Shapes: P prompts, G completions per prompt
-(group_size), B = P * G sequences, T response tokens.
+zeroed explicitly, because float32 alone gives 0.056 for eight rewards of 0.7. Statistics that span the batch are
+summed over ranks by an `all_reduce_sum` argument (the identity in one process), so the math stays pure.
+Shapes: P prompts, G completions per prompt (group_size), B = P * G sequences, T response tokens.
 """
 from __future__ import annotations
 
@@ -28,10 +26,8 @@ def _flat_groups(grouped: Tensor) -> Tensor:
 
 
 def flat_groups(values: Tensor, group_size: int) -> Tensor:
-    """Which groups are flat: every value equal to the group's first, exactly (no tolerance: the same test
-    that zeroes their advantages, DAPO's filter and the flat_group_frac metric use).
-
-    values: [B] per-completion values of P consecutive groups of G. Returns [P] bool.
+    """Which groups are flat, exactly (no tolerance: the test that zeroes their advantages, DAPO's filter and the
+    flat_group_frac metric share). values: [B] per-completion values. Returns [P] bool.
 
     >>> flat_groups(torch.tensor([0.7, 0.7, 0.0, 1.0]), 2)
     tensor([ True, False])
@@ -42,26 +38,15 @@ def flat_groups(values: Tensor, group_size: int) -> Tensor:
 
 
 def keep_groups(metric: Tensor, group_size: int) -> Tensor:
-    """DAPO's dynamic-sampling filter: keep a group only if its metric is not constant within it (Yu et al. 2025,
-    section 3.2). metric: [B] per-completion value (correctness by default, not the shaped reward: a length
-    penalty makes an all-correct group look informative when it is not). Returns [P] bool.
-
-    >>> keep_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), 2)
-    tensor([False,  True, False])
-    """
+    """DAPO's dynamic-sampling filter (Yu et al. 2025, section 3.2): keep a group only if its metric varies within
+    it. metric: [B], correctness by default, not the shaped reward (a length penalty makes an all-correct group
+    look informative when it is not). Returns [P] bool."""
     return ~flat_groups(metric, group_size)
 
 
 def batch_moments(values: Tensor, weights: Tensor | None = None) -> Tensor:
-    """(count, sum, sum of squares) of the values whose weight is non-zero, in float64, to be summed over
-    ranks (one all-reduce) and turned into the batch std by moments_std.
-
-    values: [B] float (per-completion returns); weights: [B] 0/1, e.g. grpo.groups.Batch.loss_weight, so that
-    filler groups that do not train do not set the scale (None: every value). Returns [3] float64.
-
-    >>> batch_moments(torch.tensor([1.0, 0.0, 3.0]), torch.tensor([1.0, 1.0, 0.0]))
-    tensor([2., 1., 1.], dtype=torch.float64)
-    """
+    """(count, sum, sum of squares) [3] float64 of the values [B] whose weight [B] is non-zero (None: all), to be
+    summed over ranks and turned into the batch std by moments_std. Filler groups (weight 0) do not set the scale."""
     check_ndim(values, "values", 1)
     values = values.detach().to(torch.float64)
     keep = torch.ones_like(values) if weights is None else (weights.detach() != 0).to(torch.float64)
@@ -72,7 +57,6 @@ def batch_moments(values: Tensor, weights: Tensor | None = None) -> Tensor:
 def _moments_var(moments: Tensor) -> Tensor:
     """Bessel-corrected variance (S2 - S1^2 / n) / (n - 1) from (count, sum, sum of squares) [3], clamped at 0
     against rounding; 0 for n <= 1. Returns a 0-dim float64 tensor."""
-    check_ndim(moments, "moments", 1)
     count, total, squares = moments.to(torch.float64).unbind()
     if count <= 1:
         return torch.zeros((), dtype=torch.float64)
@@ -80,26 +64,12 @@ def _moments_var(moments: Tensor) -> Tensor:
 
 
 def moments_std(moments: Tensor) -> Tensor:
-    """Bessel-corrected std from summed (count, sum, sum of squares) [3]: sqrt((S2 - S1^2 / n) / (n - 1)),
-    clamped at 0 against rounding; 0 for n <= 1. Returns a 0-dim float64 tensor.
+    """The Bessel-corrected std, sqrt(_moments_var), from (count, sum, sum of squares) summed over ranks.
 
     >>> moments_std(torch.tensor([4.0, 3.0, 3.0], dtype=torch.float64))  # [1, 0, 1, 1]: sqrt(.75 / 3)
     tensor(0.5000, dtype=torch.float64)
     """
     return _moments_var(moments).sqrt()
-
-
-def _scale(grouped: Tensor, scale: str, batch_std: Tensor | float | None) -> Tensor:
-    """Per-group divisor (before eps) for [P, G] returns: group std, batch std (this batch's, or `batch_std`
-    given from outside), or 1 (Dr. GRPO)."""
-    if scale == "group":
-        return grouped.std(dim=1, keepdim=True)  # Bessel-corrected (n - 1)
-    if scale == "batch":
-        if batch_std is None:
-            return grouped.std().expand(grouped.shape[0], 1)
-        batch_std = torch.as_tensor(batch_std, dtype=grouped.dtype, device=grouped.device)
-        return batch_std.expand(grouped.shape[0], 1)
-    return torch.ones_like(grouped[:, :1])
 
 
 def completion_returns(rewards: Tensor, token_shaping: Tensor, mask: Tensor) -> Tensor:
@@ -108,6 +78,18 @@ def completion_returns(rewards: Tensor, token_shaping: Tensor, mask: Tensor) -> 
     rewards: [B]; token_shaping, mask: [B, T]. Returns [B]."""
     mask = mask.to(token_shaping.dtype)
     return rewards + (token_shaping * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+
+
+def _check_returns(rewards: Tensor, group_size: int, token_shaping: Tensor | None, mask: Tensor | None) -> None:
+    check_ndim(rewards, "rewards", 1)
+    check_floating(rewards, "rewards")
+    check_groups(rewards.shape[0], group_size)
+    if token_shaping is not None:
+        check_ndim(token_shaping, "token_shaping", 2)
+        check_same_shape(token_shaping, "token_shaping", mask, "mask")
+        if token_shaping.shape[0] != rewards.shape[0]:
+            raise ValueError(f"rewards has shape {tuple(rewards.shape)} but token_shaping has "
+                             f"{tuple(token_shaping.shape)}")
 
 
 def group_advantages(rewards: Tensor, group_size: int, *, token_shaping: Tensor | None = None,
@@ -126,28 +108,26 @@ def group_advantages(rewards: Tensor, group_size: int, *, token_shaping: Tensor 
     A group whose (mean) returns are all equal is not scaled: its mean is its common value, so equal rewards
     give exactly 0, and shaping of 0.1 is not divided by 0 + eps into 1e5.
 
-    >>> group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 4, scale="none")
-    tensor([ 0.2500, -0.7500,  0.2500,  0.2500])
     >>> group_advantages(torch.full((8,), 0.7), 8)
     tensor([0., 0., 0., 0., 0., 0., 0., 0.])
     """
-    check_ndim(rewards, "rewards", 1)
-    check_floating(rewards, "rewards")
+    _check_returns(rewards, group_size, token_shaping, mask)
     check_choice(scale, "scale", SCALES)
-    check_groups(rewards.shape[0], group_size)
     means, returns = rewards, rewards[:, None]
     if token_shaping is not None:
-        check_ndim(token_shaping, "token_shaping", 2)
-        check_same_shape(token_shaping, "token_shaping", mask, "mask")
-        if token_shaping.shape[0] != rewards.shape[0]:
-            raise ValueError(f"rewards has shape {tuple(rewards.shape)} but token_shaping has "
-                             f"{tuple(token_shaping.shape)}")
         means, returns = completion_returns(rewards, token_shaping, mask), rewards[:, None] + token_shaping
     grouped = means.view(-1, group_size)  # [P, G]
     flat = _flat_groups(grouped)  # [P, 1]
     # In a flat group take the common value as the baseline (not a float mean of it) so equal returns give 0.
     mu = torch.where(flat, grouped[:, :1], grouped.mean(dim=1, keepdim=True))
-    divisor = _scale(grouped, scale, batch_std) + eps if scale != "none" else torch.ones_like(mu)
+    if scale == "group":
+        divisor = grouped.std(dim=1, keepdim=True) + eps  # Bessel-corrected (n - 1)
+    elif scale == "batch":
+        std = grouped.std() if batch_std is None else torch.as_tensor(batch_std, dtype=grouped.dtype,
+                                                                        device=grouped.device)
+        divisor = std.expand(grouped.shape[0], 1) + eps
+    else:
+        divisor = torch.ones_like(mu)
     divisor = torch.where(flat, torch.ones_like(divisor), divisor)
     centred = returns.view(-1, group_size, returns.shape[1]) - mu[:, :, None]
     advantages = (centred / divisor[:, :, None]).reshape(returns.shape)
@@ -175,15 +155,12 @@ def overlong_penalty(lengths: Tensor, max_len: int, cache_len: int, factor: floa
 
 
 def kl_reward_penalty(kl_values: Tensor, mask: Tensor, coef: float) -> Tensor:
-    """The KL penalty in the reward (verl's algorithm.use_kl_in_reward, ray_trainer.apply_kl_penalty): each
-    token's reward loses coef * kl_t, and since a group-relative advantage is outcome-level (verl's
-    compute_grpo_outcome_advantage sums the token rewards of a sequence) the completion's reward changes by
+    """The KL penalty in the reward (verl's algorithm.use_kl_in_reward with a fixed coefficient): each token's
+    reward loses coef * kl_t, and since the advantage is outcome-level (verl's compute_grpo_outcome_advantage sums
+    a sequence's token rewards) the completion's reward changes by -coef * sum_t mask[i, t] * kl_values[i, t].
 
-        -coef * sum_t mask[i, t] * kl_values[i, t]
-
-    kl_values: [B, T] per-token KL estimates (grpo.losses.kl_penalty of the rollout policy's logprobs, i.e.
-    the old logprobs, against the reference's), no gradient; mask: [B, T] 0/1; coef >= 0 (a fixed coefficient:
-    verl's kl_ctrl type "fixed"). Returns [B] float, <= 0 for non-negative estimators (k2, k3, abs).
+    kl_values: [B, T] grpo.losses.kl_penalty of the old logprobs against the reference's; mask: [B, T] 0/1.
+    Returns [B] float, <= 0 for non-negative estimators (k2, k3, abs).
 
     >>> kl = torch.tensor([[0.5, 0.25, 9.0], [0.1, 0.0, 0.0]])
     >>> kl_reward_penalty(kl, torch.tensor([[1, 1, 0], [1, 0, 0]]), 0.1)
@@ -205,8 +182,7 @@ WHITEN_EPS = 1e-8  # REINFORCE++'s whitening: (x - mean) * rsqrt(var + 1e-8), ve
 
 @dataclass(frozen=True)
 class Estimator:
-    """A registered estimator: `fn` with the signature below, and whether it is defined for token-shaped returns
-    (token_returns=False: outcome rewards only; compute_advantages refuses a non-zero token_shaping)."""
+    """A registered estimator; token_returns=False: defined for outcome rewards only (no token_shaping)."""
     fn: Callable[..., Tensor]
     token_returns: bool
 
@@ -217,17 +193,10 @@ ESTIMATORS: dict[str, Estimator] = {}
 def register_estimator(name: str, *, token_returns: bool) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
     """Register `fn(rewards, token_shaping, mask, group_size, *, eps, weights, all_reduce_sum) -> [B, T]` as
     estimator `name` (verl's register_adv_est). Every estimator takes the same arguments, used or not:
-
-    rewards:        [B] float, outcome reward R_i of each completion (P consecutive groups of G).
-    token_shaping:  [B, T] float, per-token shaping of the return (sentence rewards; zero without them).
-    mask:           [B, T] 0/1, completion tokens (filler rows of dynamic sampling are 0).
-    group_size:     G.
-    eps:            the std's eps where the estimator divides by one.
-    weights:        [B] 0/1 or None: 0 marks filler groups of dynamic sampling (loss weight 0), which must not
-                    set any batch statistic.
-    all_reduce_sum: sums a tensor over ranks (the identity in one process); called exactly once by an estimator
-                    with batch-wide statistics and never by the others, so every rank issues the same collectives.
-    Returns advantages [B, T], 0 on padding.
+    rewards [B] outcome rewards; token_shaping [B, T] per-token shaping of the return (zero without sentence
+    rewards); mask [B, T] 0/1; eps, the std's; weights [B] 0/1 or None, 0 for filler groups, which must not set a
+    batch statistic; all_reduce_sum, called exactly once by an estimator with batch-wide statistics and never by
+    the others, so every rank issues the same collectives. Returns advantages [B, T], 0 on padding.
     """
     def decorator(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
         if name in ESTIMATORS:
@@ -240,8 +209,8 @@ def register_estimator(name: str, *, token_returns: bool) -> Callable[[Callable[
 @register_estimator("grpo", token_returns=True)
 def grpo_advantages(rewards: Tensor, token_shaping: Tensor, mask: Tensor, group_size: int, *, eps: float,
                     weights: Tensor | None, all_reduce_sum: AllReduceSum) -> Tensor:
-    """GRPO (Shao et al. 2024, DeepSeekMath): (G_i(t) - mean_g) / (std_g + eps), the group's Bessel std;
-    per-rank by construction (a group never spans two ranks)."""
+    """GRPO (Shao et al. 2024, DeepSeekMath): (G_i(t) - mean_g) / (std_g + eps); per rank, since a group never
+    spans two ranks."""
     return group_advantages(rewards, group_size, token_shaping=token_shaping, mask=mask, scale="group", eps=eps)
 
 
@@ -256,10 +225,8 @@ def dr_grpo_advantages(rewards: Tensor, token_shaping: Tensor, mask: Tensor, gro
 @register_estimator("batch_std", token_returns=True)
 def batch_std_advantages(rewards: Tensor, token_shaping: Tensor, mask: Tensor, group_size: int, *, eps: float,
                          weights: Tensor | None, all_reduce_sum: AllReduceSum) -> Tensor:
-    """Group mean, batch std (the pairing "Tricks or Traps? A Deep Dive into RL for LLM Reasoning", Liu et al.
-    2025, recommends): (G_i(t) - mean_g) / (std_batch + eps), std_batch over every rank's batch. The std is of
-    the completions' mean returns (completion_returns) whose weight is non-zero, from (count, sum, sum of
-    squares) summed over ranks in float64 by one all_reduce_sum."""
+    """Group mean, batch std ("Tricks or Traps? A Deep Dive into RL for LLM Reasoning", Liu et al. 2025):
+    (G_i(t) - mean_g) / (std_batch + eps), std_batch of the kept completions' mean returns over every rank."""
     moments = batch_moments(completion_returns(rewards, token_shaping, mask), weights)
     batch_std = moments_std(all_reduce_sum(moments).to(moments.device))
     return group_advantages(rewards, group_size, token_shaping=token_shaping, mask=mask, scale="batch", eps=eps,
@@ -269,16 +236,8 @@ def batch_std_advantages(rewards: Tensor, token_shaping: Tensor, mask: Tensor, g
 @register_estimator("rloo", token_returns=False)
 def rloo_advantages(rewards: Tensor, token_shaping: Tensor, mask: Tensor, group_size: int, *, eps: float,
                     weights: Tensor | None, all_reduce_sum: AllReduceSum) -> Tensor:
-    """RLOO (Kool et al. 2019; Ahmadian et al. 2024): each completion's baseline is the mean of the OTHER G - 1
-    rewards of its group, A_i = r_i - (sum_g - r_i) / (G - 1) = G / (G - 1) * (r_i - mean_g), broadcast over
-    the mask. No division by a std (eps unused); a flat group gets exactly 0 (group_advantages zeroes it).
-
-    >>> rloo_advantages(torch.tensor([0.0, 1.0, 1.0]), torch.zeros(3, 2), torch.tensor([[1, 1], [1, 0], [1, 1]]),
-    ...                 3, eps=1e-6, weights=None, all_reduce_sum=lambda t: t)  # baselines 1, .5, .5
-    tensor([[-1.0000, -1.0000],
-            [ 0.5000,  0.0000],
-            [ 0.5000,  0.5000]])
-    """
+    """RLOO (Kool et al. 2019; Ahmadian et al. 2024): the baseline is the mean of the OTHER G - 1 rewards of the
+    group, A_i = r_i - (sum_g - r_i) / (G - 1) = G / (G - 1) * (r_i - mean_g), broadcast over the mask."""
     leave_one_out = group_advantages(rewards, group_size, scale="none") * (group_size / (group_size - 1))
     return leave_one_out[:, None] * mask.to(leave_one_out.dtype)
 
@@ -286,19 +245,11 @@ def rloo_advantages(rewards: Tensor, token_shaping: Tensor, mask: Tensor, group_
 @register_estimator("reinforce_pp", token_returns=False)
 def reinforce_pp_advantages(rewards: Tensor, token_shaping: Tensor, mask: Tensor, group_size: int, *, eps: float,
                             weights: Tensor | None, all_reduce_sum: AllReduceSum) -> Tensor:
-    """REINFORCE++ (Hu et al. 2025, arXiv 2501.03262), outcome rewards, as verl's
-    compute_reinforce_plus_plus_outcome_advantage defines it: the outcome reward sits on the last real token,
-    the return is its discounted sum with gamma = 1 (so R_i on every real token of completion i), and the
-    baseline is the batch's: returns are whitened over all real tokens of the batch,
-    (x - mean) * rsqrt(var + 1e-8) with the Bessel-corrected variance, then times the mask.
-
-    The batch is every rank's: (count, sum, sum of squares) over real tokens, in float64, are summed by one
-    all_reduce_sum; tokens of rows whose weight is 0 (fillers) are left out. A longer completion has more
-    tokens and so weighs more in the mean, as in verl. group_size is only checked (the baseline is not the
-    group's); eps is unused. With float32 rewards the float64 sum is exact, so a batch whose rewards are
-    all equal gets exactly 0. Fewer than two real tokens: variance 0.
-    """
-    check_groups(rewards.shape[0], group_size)
+    """REINFORCE++ (Hu et al. 2025, arXiv 2501.03262) with outcome rewards, as verl's
+    compute_reinforce_plus_plus_outcome_advantage: the return is R_i on every real token (gamma = 1), whitened over
+    the real tokens of every rank's batch (fillers left out), (x - mean) * rsqrt(var + 1e-8) with Bessel's
+    variance. A longer completion weighs more in the mean, as in verl. The float64 sums of float32 rewards are
+    exact, so a batch of equal rewards gets exactly 0."""
     real = mask.to(torch.float64)
     if weights is not None:
         real = real * (weights.detach() != 0).to(torch.float64)[:, None]
@@ -313,11 +264,8 @@ def reinforce_pp_advantages(rewards: Tensor, token_shaping: Tensor, mask: Tensor
 def compute_advantages(estimator: str, rewards: Tensor, token_shaping: Tensor, mask: Tensor, group_size: int, *,
                        eps: float = 1e-6, weights: Tensor | None = None,
                        all_reduce_sum: AllReduceSum = lambda t: t) -> Tensor:
-    """The advantages of one rollout batch with the registered `estimator` (ESTIMATORS): the one call the
-    loop makes. Arguments as in register_estimator; returns [B, T] float, 0 on padding.
-
-    An estimator registered with token_returns=False is defined for outcome rewards only: a non-zero
-    token_shaping is refused (ValueError) rather than silently ignored.
+    """The advantages [B, T] of one rollout batch with the registered `estimator`: the one call the loop makes.
+    An outcome-only estimator refuses a non-zero token_shaping rather than silently ignoring it.
 
     >>> compute_advantages("dr_grpo", torch.tensor([1.0, 0.0]), torch.zeros(2, 3), torch.tensor([[1, 1, 0],
     ...                    [1, 1, 1]]), 2)
@@ -325,15 +273,9 @@ def compute_advantages(estimator: str, rewards: Tensor, token_shaping: Tensor, m
             [-0.5000, -0.5000, -0.5000]])
     """
     check_choice(estimator, "advantage estimator", tuple(ESTIMATORS))
-    check_ndim(rewards, "rewards", 1)
-    check_floating(rewards, "rewards")
-    check_ndim(token_shaping, "token_shaping", 2)
-    check_same_shape(token_shaping, "token_shaping", mask, "mask")
-    if token_shaping.shape[0] != rewards.shape[0]:
-        raise ValueError(f"rewards has shape {tuple(rewards.shape)} but token_shaping has {tuple(token_shaping.shape)}")
+    _check_returns(rewards, group_size, token_shaping, mask)
     if weights is not None:
         check_same_shape(weights, "weights", rewards, "rewards")
-    check_groups(rewards.shape[0], group_size)
     entry = ESTIMATORS[estimator]
     if not entry.token_returns and bool((token_shaping != 0).any()):
         shaped = [name for name, other in ESTIMATORS.items() if other.token_returns]
