@@ -1,11 +1,9 @@
-"""The policy loss of one micro-batch: PPO's clipped surrogate (PPO/GRPO/DAPO at token level, GSPO at sequence
+"""The loss of one micro-batch (rl_loss): PPO's clipped surrogate (PPO/GRPO/DAPO at token level, GSPO at sequence
 level) or CISPO's clipped importance weights, its aggregations, KL estimators, the entropy bonus and truncated IS.
 
-`rl_loss` is the one entry point; the `algorithm` section (grpo.config.AlgorithmConfig) holds every choice it
-makes, with the response length limit for Dr. GRPO's aggregation as an argument. The denominator of every
-aggregation may be passed in from outside so that the trainer can divide by the count of the WHOLE optimizer
-step (all micro-batches, all ranks): then gradient accumulation and world size do not change the gradient
-(torchtitan does the same; FSDP's own averaging is turned off to match). Shapes: B sequences, T tokens.
+Every aggregation divides by a denominator passed in from outside, the count of the WHOLE optimizer step (all
+micro-batches, all ranks), so gradient accumulation and world size do not change the gradient (torchtitan does
+the same; FSDP's own averaging is turned off to match). Shapes: B sequences, T tokens.
 """
 from __future__ import annotations
 
@@ -15,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from grpo.checks import check_choice, check_floating, check_ndim, check_same_shape
-from grpo.config import AGGREGATIONS, IS_LEVELS, KL_KINDS, AlgorithmConfig
+from grpo.checks import check_choice, check_ndim, check_same_shape
+from grpo.config import KL_KINDS, AlgorithmConfig
 
 LOG_RATIO_LIMIT = 20.0  # exp(20) ~ 5e8: large enough never to bind on sane data, small enough to stay finite
 K3_LIMIT = 10.0
@@ -28,7 +26,6 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     >>> masked_mean(torch.tensor([[1.0, 2.0], [3.0, 9.0]]), torch.tensor([[1.0, 1.0], [1.0, 0.0]]))
     tensor(2.)
     """
-    check_same_shape(values, "values", mask, "mask")
     mask = mask.to(values.dtype)
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
@@ -36,9 +33,8 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class Aggregation:
     """How per-token values [B, T] become one number: numerator(masked values, mask) / (count * max_len if
-    per_max_len else count), where count is the local `count(mask)` or the denominator given from outside
-    (summed over micro-batches and ranks). One entry per mode, so loss_denominator and aggregate cannot
-    disagree about what a mode divides by."""
+    per_max_len else count), count the local `count(mask)` or one given from outside. One entry per mode, so
+    loss_denominator and aggregate cannot disagree about what a mode divides by."""
     numerator: Callable[[Tensor, Tensor], Tensor]  # (values * mask [B, T], mask [B, T]) -> 0-dim
     count: Callable[[Tensor], Tensor]  # mask [B, T] -> 0-dim float: tokens or sequences with a token
     per_max_len: bool = False  # Dr. GRPO: the count is also multiplied by the constant max_len
@@ -65,16 +61,14 @@ AGGREGATION: dict[str, Aggregation] = {
 
 
 def loss_denominator(mask: Tensor, agg: str) -> Tensor:
-    """The local count an aggregation divides by: masked tokens ("token-mean") or sequences with at least
-    one masked token (both "seq-mean-*" modes). mask: [B, T] 0/1. Returns a 0-dim float tensor.
-
-    Sum it over micro-batches and ranks and pass it back as `denominator` to aggregate over a whole step.
+    """The local count [B, T] mask -> 0-dim float an aggregation divides by: masked tokens ("token-mean") or
+    sequences with a masked token ("seq-mean-*"). Summed over micro-batches and ranks, it is aggregate's
+    `denominator` for a whole step.
 
     >>> loss_denominator(torch.tensor([[1, 1, 0], [0, 0, 0]]), "seq-mean-token-mean")
     tensor(1.)
     """
     check_ndim(mask, "mask", 2)
-    check_choice(agg, "agg", AGGREGATIONS)
     return AGGREGATION[agg].count(mask)
 
 
@@ -82,17 +76,10 @@ def aggregate(
     values: Tensor, mask: Tensor, agg: str = "token-mean", *, denominator: Tensor | float | None = None,
     max_len: int | None = None,
 ) -> Tensor:
-    """Reduce per-token values [B, T] to a scalar (AGGREGATION[agg]).
-
-    "token-mean":              sum over masked tokens / number of masked tokens (DAPO).
-    "seq-mean-token-mean":     mean over sequences of each sequence's masked token mean (original GRPO).
-    "seq-mean-token-sum-norm": masked token sum / (number of sequences * max_len) (Dr. GRPO).
-    `denominator` replaces the local count (tokens, or sequences) of loss_denominator. A count of 0 is
-    taken as 1, so an all-padding batch gives 0, never NaN.
-    """
+    """Reduce per-token values [B, T] to a scalar as AGGREGATION[agg] says, dividing by `denominator` (None: the
+    local count of loss_denominator). A count of 0 is taken as 1, so an all-padding batch gives 0, never NaN."""
     check_ndim(values, "values", 2)
     check_same_shape(values, "values", mask, "mask")
-    check_choice(agg, "agg", AGGREGATIONS)
     entry = AGGREGATION[agg]
     if entry.per_max_len and (max_len is None or max_len < 1):
         raise ValueError(f"agg {agg!r} needs max_len >= 1 (the constant length), got {max_len}")
@@ -106,13 +93,9 @@ def aggregate(
 
 def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
     """GSPO's sequence-level log-ratio in its per-token form (Zheng et al. 2025, "GSPO-token"; verl's
-    compute_policy_loss_gspo computes the same): value log s_i = masked mean over t of (logprobs - old), the
-    same on every token of sequence i; gradient that of logprobs[i, t] on token t, scaled by nothing.
-
-    logprobs, old_logprobs, mask: [B, T]. Returns [B, T] float: sg(log s_i) + logprobs - sg(logprobs). Then
-    exp of it is s_i in value, and d exp(.)/d logprobs[i, t] = s_i, so with per-sequence advantages and
-    "seq-mean-token-mean" aggregation the gradient is GSPO's: -A_i s_i (1/|y_i|) sum_t grad logprobs[i, t]
-    (per sequence, before averaging over sequences). An all-padding row has log-ratio 0.
+    compute_policy_loss_gspo): [B, T] sg(log s_i) + logprobs - sg(logprobs), log s_i the masked mean over t of
+    (logprobs - old). Its exp is s_i in value with d/d logprobs[i, t] = s_i, so with per-sequence advantages and
+    "seq-mean-token-mean" the gradient is GSPO's: -A_i s_i (1/|y_i|) sum_t grad logprobs[i, t].
 
     >>> sequence_log_ratio(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.5]]), torch.ones(1, 2))
     tensor([[0., 0.]])
@@ -127,8 +110,9 @@ def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> 
 
 
 def _ppo_token_loss(logprobs: Tensor, ratio: Tensor, advantages: Tensor, algo: AlgorithmConfig):
-    """PPO's clipped surrogate per token: max(-A*rho, -A*clip(rho, 1-clip_low, 1+clip_high)), then dual-clip.
-    Returns (token loss [B, T], upper, lower, dual: [B, T] bool, where each bound binds)."""
+    """PPO's clipped surrogate per token: max(-A*rho, -A*clip(rho, 1-clip_low, 1+clip_high)), then dual-clip
+    (Ye et al. 2020) caps -A*rho at -A*dual_clip for A < 0. Returns (token loss [B, T], upper, lower, dual: [B, T]
+    bool, where each bound binds)."""
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - algo.clip_low, 1.0 + algo.clip_high)
     token_loss = torch.maximum(unclipped, clipped)
@@ -145,8 +129,7 @@ def _ppo_token_loss(logprobs: Tensor, ratio: Tensor, advantages: Tensor, algo: A
 def _cispo_token_loss(logprobs: Tensor, ratio: Tensor, advantages: Tensor, algo: AlgorithmConfig):
     """CISPO (MiniMax-M1, arXiv 2506.13585) per token: -sg(clip(rho, 1 - low, 1 + high)) * A * logp. The weight
     is detached, so the gradient is -w * A * d logp on EVERY token, a capped weight included (PPO's clip
-    drops those tokens' gradients). Returns (token loss, upper, lower, dual) as _ppo_token_loss; a bound
-    "binds" where it changes the weight, whatever the sign of A; dual is never."""
+    drops those tokens' gradients). A bound "binds" where it changes the weight, whatever the sign of A."""
     low = None if algo.cispo_clip_low is None else 1.0 - algo.cispo_clip_low
     weight = ratio.detach().clamp(min=low, max=1.0 + algo.cispo_clip_high)
     token_loss = -weight * advantages * logprobs
@@ -170,26 +153,18 @@ def policy_loss(
     max_len: int | None = None,
     is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The policy-gradient term of the loss (algo.policy_loss), per token then aggregated (algo.agg).
+    """The policy-gradient term (algo.policy_loss per token, times the detached truncated-IS `is_weights`) of
+    logprobs and old_logprobs [B, T], advantages [B] or [B, T], mask [B, T], aggregated (algo.agg).
 
-    logprobs, old_logprobs: [B, T] float, current and behaviour-policy token logprobs.
-    advantages:             [B] (one per sequence) or [B, T] float.
-    mask:                   [B, T] 0/1.
-    rho = exp(logprobs - old_logprobs) with the log-ratio clamped to +-20.
-    "ppo": max(-A*rho, -A*clip(rho, 1-clip_low, 1+clip_high)), dual-clip optional.
-    "cispo": -sg(clip(rho, 1-cispo_clip_low, 1+cispo_clip_high)) * A * logprobs.
-    is_weights [B, T] (detached) multiply the token loss (truncated importance sampling for the
-    rollout/trainer mismatch). denominator, max_len: as in aggregate.
-    ratio_level "sequence" is GSPO: rho is the sequence's ratio s_i = exp(masked mean of the log-ratio) on
-    every token of sequence i (sequence_log_ratio), so a whole sequence is clipped or not; its clip ranges
+    rho = exp(logprobs - old_logprobs), the log-ratio clamped to +-20. ratio_level "sequence" is GSPO: rho is
+    s_i (sequence_log_ratio) on every token of sequence i, so a whole sequence is clipped or not; its clip ranges
     are small (the GSPO paper: 3e-4 / 4e-4), since a mean of log-ratios moves far less than one token's.
-    Returns (loss, metrics): detached 0-dim metrics clip_frac_upper / clip_frac_lower / clip_frac_dual
-    (fractions of masked tokens where that bound binds), approx_kl (k3 of old vs new), ratio_mean, ratio_max.
+    Returns (loss, detached 0-dim metrics): clip_frac_upper / _lower / _dual (fractions of masked tokens where
+    that bound binds), approx_kl (k3 of old vs new), ratio_mean, ratio_max.
     """
     check_ndim(logprobs, "logprobs", 2)
     check_same_shape(old_logprobs, "old_logprobs", logprobs, "logprobs")
     check_same_shape(mask, "mask", logprobs, "logprobs")
-    check_floating(logprobs, "logprobs")
     if advantages.ndim == 1:
         if advantages.shape[0] != logprobs.shape[0]:
             raise ValueError(f"advantages has shape {tuple(advantages.shape)} but logprobs has {tuple(logprobs.shape)}")
@@ -234,21 +209,12 @@ def rl_loss(
     ref_logprobs: Tensor | None = None,
     entropy: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The whole loss of one micro-batch: policy_loss (with truncated IS weights of old vs rollout when
-    algo.tis_cap is set) + kl_coef * aggregated KL to the reference (unless the KL is in the reward:
-    algo.kl_in_reward) - entropy_coef * aggregated entropy.
-
-    logprobs:         [b, T] float, the current policy's (with gradient); the other tensors are moved to its device.
-    old_logprobs:     [b, T] the behaviour policy's (the trainer's before the update).
-    advantages:       [b] or [b, T]; mask: [b, T] 0/1 (times the loss weight).
-    denominator:      the aggregation's count over the whole optimizer step (loss_denominator summed over
-                      micro-batches and ranks); max_len: Dr. GRPO's constant length (rollout.max_new_tokens).
-    rollout_logprobs: [b, T] the engine's logprobs of the same tokens; needed when algo.tis_cap is set.
-    ref_logprobs:     [b, T] the reference's: the KL term joins the loss when kl_coef > 0 (metric kl always).
-    entropy:          [b, T] token entropies: the bonus when algo.entropy_coef > 0 (metric entropy always).
-    Returns (loss 0-dim with gradient, metrics as python floats): policy_loss's, plus kl, entropy,
-    logprob_gap (masked mean |old - rollout|, the mismatch truncated IS corrects) where their input is
-    given, and tis_weight_mean, tis_clip_frac (how often the cap binds) when IS is on.
+    """The whole loss of one micro-batch: policy_loss (with truncated IS weights of old vs the engine's
+    rollout_logprobs when algo.tis_cap is set) + kl_coef * aggregated KL to ref_logprobs (unless algo.kl_in_reward)
+    - entropy_coef * aggregated entropy, every term over the same `denominator` (the whole optimizer step's count)
+    and max_len (Dr. GRPO's constant length). Tensors are [b, T] (advantages [b] or [b, T]), moved to logprobs'
+    device. Returns (loss with gradient, metrics as floats): policy_loss's, plus kl, entropy and logprob_gap
+    (masked mean |old - rollout|) where their input is given, tis_weight_mean and tis_clip_frac when IS is on.
     """
     device = logprobs.device
     old_logprobs, advantages, mask = (t.to(device) for t in (old_logprobs, advantages, mask))
@@ -309,18 +275,12 @@ def truncated_is_weights(
     old_logprobs: Tensor, rollout_logprobs: Tensor, cap: float = 2.0, level: str = "token",
     mask: Tensor | None = None,
 ) -> Tensor:
-    """Truncated importance weights min(exp(old - rollout), cap) for the rollout/trainer mismatch (detached).
-
-    old_logprobs:     [B, T] the trainer's logprobs of the sampled tokens before the update.
-    rollout_logprobs: [B, T] the engine's logprobs of the same tokens (what was actually sampled from).
-    level "token": one weight per token; "sequence": exp of the masked sum of log-ratios per sequence,
-    broadcast over its tokens (needs `mask` [B, T]). Returns [B, T] float, no gradient.
+    """Truncated importance weights [B, T] min(exp(old - rollout), cap), no gradient, for the mismatch between the
+    trainer's old logprobs and the engine's of the same sampled tokens. level "sequence": exp of the masked sum of
+    log-ratios per sequence (needs `mask` [B, T]), broadcast over its tokens.
     """
     check_ndim(old_logprobs, "old_logprobs", 2)
     check_same_shape(rollout_logprobs, "rollout_logprobs", old_logprobs, "old_logprobs")
-    check_choice(level, "level", IS_LEVELS)
-    if cap <= 0:
-        raise ValueError(f"cap must be > 0, got {cap}")
     with torch.no_grad():
         log_ratio = old_logprobs - rollout_logprobs
         if level == "sequence":
