@@ -1,9 +1,7 @@
 """CPU speed work for the transformers engine: the prefill and the decode step of a Llama-family decoder
 (Llama, Mistral, Qwen2, Qwen3) written out as tensor operations on the model's own modules, over key/value
-buffers of its own. rollout.hf_engine runs it where `supported` says so and the model's forward on a transformers
-DynamicCache everywhere else; both give the same logits up to float rounding (tests/test_rollout_decode.py).
-
-What it does that the model's forward does not (what each gave: bench/README.md, "Decode-step profile"):
+buffers of its own. rollout.hf_engine runs it where `supported` says so; it gives the model's logits up to float
+rounding. What it does that the model's forward does not (what each gave: bench/README.md, "Decode-step profile"):
 - each prompt's keys and values are held once for its n rows; a new token attends to them and to its own row's
   keys in two calls of torch's CPU flash-attention kernel, merged by their log-sum-exp;
 - grouped-query attention without copying key/value heads, and buffers allocated once, not grown per token;
@@ -50,8 +48,8 @@ def supported(model: torch.nn.Module) -> bool:
 
 class Projection:
     """nn.Linear modules applied to one input, as ONE product on their weights stacked and reordered for oneDNN
-    (`rows`: the expected row count, a hint; any count runs), or as the modules themselves when one of them is not
-    a plain nn.Linear (a LoRA-wrapped layer computes more than its weight). Returns each module's output, in order."""
+    (`rows`: the expected row count, a hint), or as the modules themselves when one of them is not a plain
+    nn.Linear (a LoRA-wrapped layer computes more than its weight). Returns each module's output, in order."""
 
     def __init__(self, modules: list[torch.nn.Module], rows: int):
         self.modules, self.weight, self.bias = modules, None, None
@@ -104,10 +102,8 @@ def _rotate(states: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 class CPUDecoding:
     """One generate call's forward passes: `prefill` the P prompts once, then `step` one token per live row and
-    `keep` the rows that go on (the interface of rollout.hf_engine.TransformersDecoding).
-
-    Rows are laid out as the engine numbers them, prompt i's n rows at i*n .. i*n+n-1. Per layer the prompts'
-    keys and values are kept once ([P, kv_heads, Lp, head_dim]) and each row's completion in a KVBuffer.
+    `keep` the rows that go on. Rows are laid out as the engine numbers them, prompt i's n rows at i*n .. i*n+n-1;
+    per layer the prompts' keys and values are kept once ([P, kv_heads, Lp, head_dim]), each row's in a KVBuffer.
     """
 
     def __init__(self, model: torch.nn.Module, prompts: int, n: int, capacity: int):

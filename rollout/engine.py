@@ -22,14 +22,12 @@ from torch import Tensor
 class Completion:
     """One sampled completion of one prompt.
 
-    prompt_ids:     the prompt's token ids, as given to `generate`.
     completion_ids: [T] the sampled token ids (end-of-sequence or stop-completing token included).
     text:           decode(completion_ids, skip_special_tokens=True); see the module docstring.
-    logprobs:       [T] log-probability of each sampled token under the distribution it was sampled from:
-                    log_softmax(logits / temperature), renormalised over the top-k/top-p set when those are
-                    narrower than the whole vocabulary (then the trainer's temperature-only recomputation
-                    differs: the importance ratio is biased by the log of the kept probability mass).
-                    With temperature 0 (greedy) it is log_softmax(logits), the temperature-1 distribution.
+    logprobs:       [T] log-probability of each token under the distribution it was sampled from:
+                    log_softmax(logits / temperature), renormalised over the top-k/top-p set when those truncate
+                    (the trainer's temperature-only recomputation then differs by the log of the kept mass);
+                    with temperature 0 (greedy), log_softmax(logits).
     finish_reason:  "stop" (end-of-sequence token or stop string) or "length" (max_new_tokens or the context).
     """
 
@@ -44,18 +42,8 @@ class Completion:
 class Engine(Protocol):
     """What the training loop needs from a generation backend (HFEngine, VLLMEngine)."""
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        *,
-        n: int,
-        max_new_tokens: int,
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        stop: Sequence[str] | None,
-        seed: int | None,
-    ) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
+                 top_k: int, stop: Sequence[str] | None, seed: int | None) -> list[Completion]:
         """Sample n completions per prompt: B = len(prompts) * n, the n completions of a prompt consecutive."""
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
@@ -65,8 +53,7 @@ class Engine(Protocol):
         """Free generation memory (weights and KV cache) until `wake`; a no-op where the backend cannot."""
 
     def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
-        """Restore `tags` of what `sleep` freed ("weights" before a sync, "kv_cache" after it); a no-op where
-        the backend cannot sleep."""
+        """Restore `tags` of what `sleep` freed ("weights" before a sync, "kv_cache" after it)."""
 
     def close(self) -> None:
         """Release the engine at the end of a run."""
@@ -95,41 +82,28 @@ def prompt_seed(seed: int, prompt_index: int) -> int:
     return (stream_seed(seed, prompt_index) >> CHILD_BITS) << CHILD_BITS
 
 
-def validate_request(
-    prompts: list[list[int]],
-    *,
-    n: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    stop: Sequence[str] | None,
-    seed: int | None,
-    max_context: int,
-    vocab_size: int,
-) -> list[str]:
+def validate_request(prompts: list[list[int]], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
+                     top_k: int, stop: Sequence[str] | None, seed: int | None, max_context: int,
+                     vocab_size: int) -> list[str]:
     """Check one `generate` request before any generation; return the stop strings as a list.
 
-    max_context: the most tokens (prompt + completion) the engine's model can hold.
-    vocab_size:  token ids must lie in [0, vocab_size).
+    max_context: the most tokens (prompt + completion) the engine's model holds; token ids lie in [0, vocab_size).
     Raises ValueError naming the offending argument, prompt index or value.
     """
     if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
         raise ValueError(f"prompts must be a non-empty list of token-id lists, got {prompts!r:.80}")
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"n (completions per prompt) must be an integer >= 1, got {n!r}")
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+    if not isinstance(n, int) or not 1 <= n <= 2**CHILD_BITS:  # prompt_seed gives each prompt 2^16 child seeds
+        raise ValueError(f"n (completions per prompt) must be an integer >= 1, got {n!r} (and at most 2^{CHILD_BITS})")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if not temperature >= 0:  # also rejects NaN
         raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature!r}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must lie in (0, 1] (1 keeps the whole vocabulary), got {top_p!r}")
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+    if not isinstance(top_k, int) or top_k < 0:
         raise ValueError(f"top_k must be an integer >= 0 (0 keeps the whole vocabulary), got {top_k!r}")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**SEED_BITS):
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**SEED_BITS):
         raise ValueError(f"seed must be None or an integer >= 0, got {seed!r} (and below 2^{SEED_BITS})")
-    if n > 2**CHILD_BITS:
-        raise ValueError(f"n (completions per prompt) must be at most {2**CHILD_BITS}, got {n}")
     if isinstance(stop, str):
         raise ValueError(f"stop must be a list of strings, not a single string: use [{stop!r}]")
     stop_strings = list(stop or [])
@@ -144,9 +118,8 @@ def validate_request(
                 f"prompt {index} has {len(prompt)} tokens but the context holds {max_context}: "
                 f"no new token fits; shorten the prompt or raise the engine's context length"
             )
-        low, high = min(prompt), max(prompt)
-        if low < 0 or high >= vocab_size:
-            bad = low if low < 0 else high
+        bad = min(prompt) if min(prompt) < 0 else max(prompt)
+        if not 0 <= bad < vocab_size:
             raise ValueError(f"prompt {index} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
     return stop_strings
 
@@ -176,13 +149,9 @@ def oom_explained(batch_size: int, max_new_tokens: int):
 @contextmanager
 def torch_threads(num_threads: int | None):
     """Run an engine call at `num_threads` torch intra-op threads, then restore the caller's count (None: leave
-    torch alone).
-
-    Why it exists: decoding token by token is many small operations; with two or more OpenMP threads on a busy
-    machine each parallel region waits for a descheduled worker, so one thread can be much faster there, while two
-    win on an idle machine (bench/README.md). It also puts back `torch.set_num_threads` itself, which building an
-    in-process vLLM CPU worker (vLLM 0.32) replaces with a no-op for the whole process, so that the trainer and
-    the transformers engine can still set their thread counts after a vLLM engine was built.
+    torch alone). Token-by-token decoding is many small parallel regions, which on a busy CPU wait for
+    descheduled OpenMP workers: one thread can then be much faster (bench/README.md). It also puts back
+    `torch.set_num_threads`, which building an in-process vLLM CPU worker replaces with a no-op for the process.
     """
     if num_threads is None:
         yield

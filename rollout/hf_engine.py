@@ -1,13 +1,9 @@
 """The transformers rollout engine: a sampling loop over a batch of left-padded prompts, for CPU runs and tests.
-It shares the policy module (or owns a copy) and implements `rollout.engine.Engine`.
 
 Why not `model.generate`: the loop needs the logprob of each sampled token under exactly the distribution it
-was drawn from, explicit sampling fields with nothing read from the model's generation_config, and finished rows
-leaving the batch so that long-tail completions do not pay for short ones. bench/generate.py compares speeds.
-
-The forward passes run through the model's forward on a transformers DynamicCache (`TransformersDecoding`), or,
-for the models rollout.cpu_decode supports, through that module's written-out CPU fast path; the two give the
-same logits up to float rounding.
+was drawn from, nothing read from the model's generation_config, and finished rows leaving the batch so that
+long-tail completions do not pay for short ones. The forward passes run on a transformers DynamicCache
+(`TransformersDecoding`) or, where rollout.cpu_decode supports the model, through its CPU fast path.
 """
 from __future__ import annotations
 
@@ -23,29 +19,18 @@ from rollout.engine import Completion, completion_text, oom_explained, torch_thr
 
 
 class HFEngine:
-    """Generate with a transformers causal LM.
+    """Generate with a plain (not FSDP-sharded) transformers causal LM.
 
-    model:         a plain (not FSDP-sharded) transformers causal LM.
-    tokenizer:     its tokenizer (decodes completions and checks stop strings).
     shared:        True when `model` is the policy being trained: `update_weights` is then a no-op (the engine
-                   already sees every optimizer step) and the model's train/eval mode is restored after each
-                   `generate`. False when the engine owns its copy: `update_weights` copies into it by name.
+                   already sees every optimizer step). False when the engine owns its copy, updated by name.
     eos_token_ids: token ids that end a completion (finish reason "stop"); default: the tokenizer's eos.
     max_context:   the most tokens a sequence may hold; default: the model's max_position_embeddings.
-    num_threads:   torch intra-op threads while generating, the caller's restored afterwards; None: torch's
-                   setting as it is (see `rollout.engine.torch_threads`: 1 is faster on a CPU others share).
+    num_threads:   torch threads while generating (rollout.engine.torch_threads); None: torch's setting as it is.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        tokenizer,
-        *,
-        shared: bool = True,
-        eos_token_ids: Sequence[int] | None = None,
-        max_context: int | None = None,
-        num_threads: int | None = None,
-    ):
+    def __init__(self, model: torch.nn.Module, tokenizer, *, shared: bool = True,
+                 eos_token_ids: Sequence[int] | None = None, max_context: int | None = None,
+                 num_threads: int | None = None):
         sharded = [name for name, parameter in model.named_parameters() if type(parameter).__name__ == "DTensor"]
         if sharded:
             # Each rank would stop generating at a different step and deadlock inside FSDP's all-gathers.
@@ -68,22 +53,11 @@ class HFEngine:
         # A padded vocabulary (more model rows than tokenizer entries) has ids with no text: never sample them.
         self.num_text_tokens = min(len(tokenizer), model.get_output_embeddings().weight.shape[0])
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        *,
-        n: int = 1,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop: Sequence[str] | None = None,
-        seed: int | None = None,
-    ) -> list[Completion]:
-        """Sample n completions per prompt; returns B = len(prompts) * n, each prompt's n consecutive.
-
-        seed: the same seed, prompts and weights give the same completions; None draws one from torch's RNG.
-        """
+    def generate(self, prompts: list[list[int]], *, n: int = 1, max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] | None = None,
+                 seed: int | None = None) -> list[Completion]:
+        """Sample n completions per prompt (rollout.engine.Engine); the model's train/eval mode is restored after.
+        seed: the same seed, prompts and weights give the same completions; None draws one from torch's RNG."""
         stop_strings = validate_request(
             prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             stop=stop, seed=seed, max_context=self.max_context, vocab_size=self.vocab_size,
@@ -98,7 +72,7 @@ class HFEngine:
 
     def _sample(self, prompts, n, max_new_tokens, temperature, top_p, top_k, stop_strings, seed) -> list[Completion]:
         """The decoding loop over B = len(prompts) * n rows: each prompt prefilled once for its n rows, then one
-        token per row and step; rows that finish leave the batch. Text is decoded per token only for stop strings."""
+        token per row and step; rows that finish leave the batch."""
         device = self.model.get_input_embeddings().weight.device
         generator = torch.Generator(device=device)
         generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
@@ -129,8 +103,9 @@ class HFEngine:
                 logits, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
             completion[active, step], logprobs[active, step] = tokens, token_logprobs
             stop = torch.isin(tokens, eos)
-            if stop_strings:
-                stop |= self._stop_string_hits(completion[active, : step + 1], stop_strings)
+            if stop_strings:  # decoded after every token, so a row stops at the token completing a stop string
+                texts = self.tokenizer.batch_decode(completion[active, : step + 1].tolist(), skip_special_tokens=True)
+                stop |= torch.tensor([any(s in text for s in stop_strings) for text in texts], device=device)
             finished = stop | (budget[active] <= step + 1)
             stopped[active[stop]] = True
             lengths[active[finished]] = step + 1
@@ -150,13 +125,6 @@ class HFEngine:
                 prompt_ids=list(prompts[index // n]), completion_ids=ids, text=completion_text(self.tokenizer, ids),
                 logprobs=logprob_lists[index][:length], finish_reason="stop" if row_stopped else "length"))
         return results
-
-    def _stop_string_hits(self, completions: Tensor, stop_strings: list[str]) -> Tensor:
-        """[A] bool: whether each row's decoded completion ([A, k] token ids so far) contains a stop string
-        (checked after every token, so the first True is at the token that completed it)."""
-        texts = self.tokenizer.batch_decode(completions.tolist(), skip_special_tokens=True)
-        hits = [any(stop_string in text for stop_string in stop_strings) for text in texts]
-        return torch.tensor(hits, dtype=torch.bool, device=completions.device)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Copy HF-named full tensors into the engine's own model (a no-op when it shares the policy)."""
@@ -186,13 +154,12 @@ class HFEngine:
         """No-op (see `sleep`)."""
 
     def close(self) -> None:
-        """Nothing to release: the model is the caller's (or garbage once the engine goes)."""
+        """Nothing to release: the model is the caller's."""
 
 
 class TransformersDecoding:
     """One generate call's forward passes through the model's own forward on a transformers DynamicCache (any
-    architecture, device and attention implementation): `prefill` the prompts once, `step` one token per live
-    row, `keep` the rows that go on (rollout.cpu_decode.CPUDecoding is the same interface)."""
+    architecture, device and attention implementation); the interface of rollout.cpu_decode.CPUDecoding."""
 
     def __init__(self, model: torch.nn.Module, n: int):
         self.model, self.n, self.cache = model, n, DynamicCache(config=model.config)
@@ -221,12 +188,9 @@ class TransformersDecoding:
 
 
 def truncate_logits(scaled_logits: Tensor, top_p: float, top_k: int) -> Tensor:
-    """Set to -inf every logit outside the top-k set and outside the smallest top-p nucleus.
-
-    scaled_logits: [A, V] float32, already divided by the temperature.
-    top_k: 0 keeps everything; top_p: 1.0 keeps everything. The most likely token is always kept.
-    Returns a new [A, V] tensor (the input is not modified).
-    """
+    """A copy of scaled_logits ([A, V] float32, divided by the temperature) with -inf on every logit outside the
+    top-k set and outside the smallest top-p nucleus. top_k 0 and top_p 1.0 keep everything; the most likely
+    token is always kept."""
     vocab_size = scaled_logits.shape[-1]
     result = scaled_logits
     if 0 < top_k < vocab_size:
@@ -244,19 +208,11 @@ def truncate_logits(scaled_logits: Tensor, top_p: float, top_k: int) -> Tensor:
     return result
 
 
-def sample_next_tokens(
-    logits: Tensor,
-    *,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    generator: torch.Generator,
-) -> tuple[Tensor, Tensor]:
-    """Draw one token per row and return (tokens [A] int64, logprobs [A] float32).
-
-    logits: [A, V] raw next-token logits (any float dtype; the maths is done in float32).
-    temperature 0 is greedy: argmax, with the logprob of the untempered distribution (as vLLM reports it).
-    Otherwise the logprob is of log_softmax(logits / temperature) renormalised over the top-k/top-p set.
+def sample_next_tokens(logits: Tensor, *, temperature: float, top_p: float, top_k: int,
+                       generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Draw one token per row of logits ([A, V], any float dtype; the maths in float32): (tokens [A] int64,
+    logprobs [A] float32), the logprob of log_softmax(logits / temperature) renormalised over the top-k/top-p
+    set. Temperature 0 is greedy: argmax, with the logprob of the untempered distribution (as vLLM reports it).
     """
     logits = logits.float()
     if temperature == 0:
@@ -270,15 +226,11 @@ def sample_next_tokens(
 
 
 def draw_from_probabilities(probabilities: Tensor, generator: torch.Generator) -> Tensor:
-    """One index per row, drawn with probability proportional to its entry: inverse-CDF sampling with one
-    float64 uniform per row.
-
-    probabilities: [A, V] float, >= 0, each row with a positive sum. Returns [A] int64.
-
-    Why not torch.multinomial: it draws V exponential variates per row, a large share of a CPU decode step; this
-    draws one uniform per row. The cumulative sum is in float64 so that a token of probability 1e-9 next to a
-    mass of 0.5 keeps its share. A zero-probability index is never returned: the first index whose cumulative
-    sum exceeds u * total is one where the sum grew.
+    """One index per row of probabilities ([A, V] >= 0, each row with a positive sum), drawn with probability
+    proportional to its entry by inverse-CDF sampling: [A] int64. torch.multinomial draws V exponential variates
+    per row, a large share of a CPU decode step; this draws one float64 uniform. The cumulative sum is in float64
+    so that a token of probability 1e-9 next to a mass of 0.5 keeps its share; a zero-probability index is never
+    returned (the first index whose cumulative sum exceeds u * total is one where the sum grew).
     """
     cumulative = probabilities.double().cumsum(dim=-1)
     total = cumulative[:, -1:]
