@@ -15,6 +15,7 @@ from typing import Iterable, Sequence
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import load as load_safetensors, save as save_safetensors
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -46,23 +47,17 @@ def check_vllm_version(version: str) -> None:
 
 
 class VLLMEngine:
-    """A vLLM replica of the policy.
+    """A vLLM replica of the policy. `arguments`: the keyword arguments of vllm.LLM as launch.plan.vllm_arguments
+    decides them (model: an HF directory with config.json, safetensors and tokenizer; max_model_len; ...).
+    A completion ends at the tokenizer's eos (the model's generation_config, like its other sampling defaults, is
+    ignored). Engine calls run at one torch thread, the caller's setting restored (rollout.engine.torch_threads).
 
-    arguments:     the keyword arguments of vllm.LLM, as launch.plan.vllm_arguments decides them for the target
-                   (model: an HF directory with config.json, safetensors and tokenizer; max_model_len;
-                   enable_sleep_mode on CUDA; ...). The engine adds nothing to them.
-    eos_token_ids: ids that end a completion; default the tokenizer's eos (the model's generation_config is
-                   ignored, like every other sampling default of the model).
-    num_threads:   torch intra-op threads while vLLM runs (see `rollout.engine.torch_threads`); the caller's
-                   own setting is restored after every engine call.
-    Under torchrun the trainer must initialise the process group BEFORE building the engine (vLLM then
-    joins it through the external launcher instead of making a world of size 1).
-    In-process side effects of vLLM 0.32 to know about: building the engine seeds the process's global
-    torch/numpy/random RNGs with `seed`, and every generate call draws from torch's global RNG (requests
-    with a seed then sample from their own generator; requests without one use that global stream).
+    Under torchrun the trainer must initialise the process group BEFORE building the engine (vLLM then joins it
+    through the external launcher instead of making a world of size 1). In process, vLLM 0.32 seeds the global
+    torch/numpy/random RNGs with `seed` when built, and every generate call draws from torch's global RNG.
     """
 
-    def __init__(self, arguments: dict, *, eos_token_ids: Sequence[int] | None = None, num_threads: int = 1):
+    def __init__(self, arguments: dict):
         model_path = Path(arguments["model"]).expanduser()
         if not (model_path / "config.json").is_file():
             raise FileNotFoundError(f"VLLMEngine needs an HF model directory; {model_path}/config.json does not exist")
@@ -78,46 +73,30 @@ class VLLMEngine:
         import vllm
 
         check_vllm_version(vllm.__version__)
-        self.arguments = dict(arguments, model=str(model_path))
-        self.num_threads = num_threads
-        with torch_threads(num_threads):
-            self.llm = vllm.LLM(**self.arguments)
+        with torch_threads(1):
+            self.llm = vllm.LLM(**dict(arguments, model=str(model_path)))
         self.model_path = model_path
-        self.max_context = self.arguments["max_model_len"]
-        self.sleeps = bool(self.arguments.get("enable_sleep_mode"))
+        self.max_context = arguments["max_model_len"]
+        self.sleeps = bool(arguments.get("enable_sleep_mode"))
         self.asleep: set[str] = set()  # what sleep freed and wake has not restored: "weights", "kv_cache"
         self.tokenizer = load_tokenizer(model_path)
+        self.eos_token_ids = [int(self.tokenizer.eos_token_id)]
         config = AutoConfig.from_pretrained(model_path, local_files_only=True)
         self.vocab_size = config.vocab_size
-        self.tied_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # The HF name of the embedding a tied lm_head shares; a reload of it must also repack the head.
-        self.tied_embedding_name = _input_embedding_name(config) if self.tied_embeddings else None
-        if eos_token_ids is None:
-            eos_token_ids = [self.tokenizer.eos_token_id]
-        self.eos_token_ids = sorted(set(int(token) for token in eos_token_ids))
+        tied = getattr(config, "tie_word_embeddings", False)
+        self.tied_embedding_name = _input_embedding_name(config) if tied else None
         # A padded vocabulary (more model rows than tokenizer entries) has ids with no text: never sample them.
         num_text_tokens = min(len(self.tokenizer), self.vocab_size)
         self.allowed_token_ids = list(range(num_text_tokens)) if num_text_tokens < self.vocab_size else None
         self.checkpoint_groups = _checkpoint_groups(model_path)
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        *,
-        n: int = 1,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop: Sequence[str] | None = None,
-        seed: int | None = None,
-    ) -> list[Completion]:
-        """Sample n completions per prompt; returns B = len(prompts) * n, each prompt's n consecutive.
-
-        seed: the call's; prompt p samples with rollout.engine.prompt_seed(seed, p), and vLLM gives its i-th
-        completion that + i, so no two completions of a call (or of calls with different seeds) share a random
-        stream. One seed for the whole call would give the i-th completion of every prompt the same stream.
-        None: the replica's RNG.
+    def generate(self, prompts: list[list[int]], *, n: int = 1, max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] | None = None,
+                 seed: int | None = None) -> list[Completion]:
+        """Sample n completions per prompt (rollout.engine.Engine). seed: prompt p samples with
+        rollout.engine.prompt_seed(seed, p) and vLLM gives its i-th completion that + i, so no two completions share
+        a random stream (one seed for the call would give every prompt's i-th the same); None: the replica's RNG.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -139,7 +118,7 @@ class VLLMEngine:
             logprobs=0, allowed_token_ids=self.allowed_token_ids,
         ) for index in range(len(prompts))]
         requests = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts]
-        with torch_threads(self.num_threads), oom_explained(len(prompts) * n, max_new_tokens):
+        with torch_threads(1), oom_explained(len(prompts) * n, max_new_tokens):
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         completions = []
         for prompt, output in zip(prompts, outputs):
@@ -159,25 +138,11 @@ class VLLMEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Reload HF-named full tensors in place into every local worker (`reload_worker`), then reset the prefix
         cache (cached prefixes are keyed by tokens, not weights: stale KV would be reused). Each call must hold
-        whole decoder layers (see rollout.sync.bucketed): vLLM rebuilds a fused q/k/v or gate/up module only from
-        parts loaded together. In process, `LLM.collective_rpc(fn)` runs fn(worker) on each local worker;
-        otherwise the bucket goes to the WeightReload extension as bytes."""
-        weights = [(name, tensor) for name, tensor in named_tensors
-                   if not (self.tied_embeddings and name == "lm_head.weight")]  # tied: the embedding is it
-        self._check_whole_groups([name for name, _ in weights])
-        if not weights:
-            return
-        repack_tied_head = any(name == self.tied_embedding_name for name, _ in weights)
-        with torch_threads(self.num_threads):
-            if self.in_process:
-                self.llm.collective_rpc(lambda worker: reload_worker(worker, weights, repack_tied_head))
-            else:
-                self.llm.collective_rpc("nanogrpo_reload", args=(*pack_weights(weights), repack_tied_head))
-            self.llm.reset_prefix_cache()
-
-    def _check_whole_groups(self, names: list[str]) -> None:
+        whole decoder layers (rollout.sync.bucketed): vLLM rebuilds a fused q/k/v or gate/up module only from
+        parts loaded together. Out of process the bucket goes to the WeightReload extension as safetensors bytes."""
+        weights = list(named_tensors)
         given: dict[str, set[str]] = {}
-        for name in names:
+        for name, _ in weights:
             given.setdefault(weight_group(name), set()).add(name)
         for group, group_names in given.items():
             expected = self.checkpoint_groups.get(group, set())
@@ -190,6 +155,17 @@ class VLLMEngine:
                     f"update_weights: group {group!r} is incomplete (missing {missing[:3]}): vLLM rebuilds fused "
                     f"modules only from parts loaded in the same call; send whole decoder layers"
                 )
+        if not weights:
+            return
+        repack_tied_head = any(name == self.tied_embedding_name for name, _ in weights)
+        with torch_threads(1):
+            if self.in_process:
+                self.llm.collective_rpc(lambda worker: reload_worker(worker, weights, repack_tied_head))
+            else:
+                payload = save_safetensors({name: tensor.detach().cpu().contiguous() for name, tensor in weights})
+                self.llm.collective_rpc("nanogrpo_reload", args=([name for name, _ in weights], payload,
+                                                                  repack_tied_head))
+            self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
         """Drop the weights and the KV cache (level 2: the next sync overwrites every weight, so nothing is
@@ -241,16 +217,8 @@ def reload_worker(worker, weights: list[tuple[str, Tensor]], repack_tied_head: b
         worker.reload_weights(weights_iterator=iter(weights))
     finally:
         logger.setLevel(level)
-    if not repack_tied_head:
-        return
-    model = worker.model_runner.get_model()
-    lm_head = getattr(model, "lm_head", None)
-    weight = getattr(lm_head, "weight", None)
-    tied = weight is not None and any(
-        parameter is weight for name, parameter in model.named_parameters(remove_duplicate=False)
-        if not name.startswith("lm_head.")
-    )
-    if tied and hasattr(lm_head, "quant_method"):
+    lm_head = getattr(worker.model_runner.get_model(), "lm_head", None)
+    if repack_tied_head and hasattr(lm_head, "quant_method"):  # vLLM ties it as the config does
         lm_head.quant_method.process_weights_after_loading(lm_head)
 
 
@@ -258,32 +226,11 @@ class WeightReload:
     """A vLLM worker extension (`worker_extension_cls`) for an engine in a process of its own (launch/separate.py's
     rollout ranks): the weights arrive as the arguments of `collective_rpc("nanogrpo_reload", ...)`. vLLM refuses to
     pickle the function the in-process engine sends, and decodes tensor arguments without their type, so the
-    bucket travels as bytes with each tensor's name, dtype and shape (pack_weights)."""
+    bucket travels as safetensors bytes, with the names in the order sent."""
 
-    def nanogrpo_reload(self, names: list[str], dtypes: list[str], shapes: list[list[int]], payload: bytes,
-                        repack_tied_head: bool) -> None:
-        reload_worker(self, unpack_weights(names, dtypes, shapes, payload), repack_tied_head)
-
-
-def pack_weights(weights: list[tuple[str, Tensor]]) -> tuple[list[str], list[str], list[list[int]], bytes]:
-    """(names, dtypes, shapes, the tensors' bytes back to back) of HF-named CPU tensors, for WeightReload."""
-    names = [name for name, _ in weights]
-    dtypes = [str(tensor.dtype).removeprefix("torch.") for _, tensor in weights]
-    shapes = [list(tensor.shape) for _, tensor in weights]
-    payload = torch.cat([tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for _, tensor in weights])
-    return names, dtypes, shapes, payload.numpy().tobytes()
-
-
-def unpack_weights(names: list[str], dtypes: list[str], shapes: list[list[int]],
-                   payload: bytes) -> list[tuple[str, Tensor]]:
-    """pack_weights undone: the (name, tensor) list."""
-    buffer, offset, weights = torch.frombuffer(bytearray(payload), dtype=torch.uint8), 0, []
-    for name, dtype, shape in zip(names, dtypes, shapes):
-        dtype = getattr(torch, dtype)
-        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        weights.append((name, buffer[offset:offset + size].view(dtype).view(shape)))
-        offset += size
-    return weights
+    def nanogrpo_reload(self, names: list[str], payload: bytes, repack_tied_head: bool) -> None:
+        tensors = load_safetensors(payload)
+        reload_worker(self, [(name, tensors[name]) for name in names], repack_tied_head)
 
 
 def _input_embedding_name(config) -> str:

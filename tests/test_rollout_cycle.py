@@ -37,8 +37,8 @@ def test_sleep_and_sync_follow_the_planned_cycle(monkeypatch):
     groups = {}
     for name, _ in model.named_parameters():
         groups.setdefault(weight_group(name), set()).add(name)
-    engine.llm, engine.sleeps, engine.asleep, engine.num_threads = RecordingLLM(calls), True, set(), 1
-    engine.tied_embeddings, engine.tied_embedding_name, engine.checkpoint_groups = False, None, groups
+    engine.llm, engine.sleeps, engine.asleep = RecordingLLM(calls), True, set()
+    engine.tied_embedding_name, engine.checkpoint_groups = None, groups
     engine.in_process = True
     engine.model_path = "tiny"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
