@@ -1,13 +1,7 @@
-"""From a rollout batch to optimizer steps, the second and third phases of an RL step.
-
-prepare: the update's plan (mini-batches of whole groups, one optimizer step each, made of micro-batches, one
-  forward/backward each, with every mini-batch's loss denominator counted over all its micro-batches and all
-  ranks, so neither the micro-batch split nor the world size changes a gradient), the old and reference
-  logprobs (once per rollout, before any update, in eval mode: the engines sample without dropout), the rewards
-  with their penalties (DAPO's overlong shaping, verl's KL in the reward) and the advantages.
-update: ppo_epochs passes over the mini-batches; each optimizer step clips to the global gradient norm and
-  steps only when loss and norm are finite on every rank (else it skips, says so, and stops after too many).
-The learning rate advances once per training step (all of a step's optimizer steps share it, as in verl).
+"""From a rollout batch to optimizer steps, the second and third phases of an RL step: prepare plans the update
+(mini-batches of whole groups, one optimizer step each, made of micro-batches, one forward/backward each) and
+computes what it trains on; update runs ppo_epochs passes over the mini-batches. Every mini-batch's loss
+denominator counts all its micro-batches on all ranks, so neither the split nor the world size changes a gradient.
 
 Shapes: P prompts, G per prompt, B = P * G rows (a prompt's G consecutive), T completion tokens.
 """
@@ -22,7 +16,6 @@ import torch
 from torch import Tensor
 
 from grpo.advantages import compute_advantages, kl_reward_penalty, overlong_penalty
-from grpo.checks import check_ndim
 from grpo.config import Config
 from grpo.groups import Batch
 from grpo.losses import kl_penalty, loss_denominator, masked_mean, rl_loss
@@ -33,8 +26,9 @@ from models.lora import disabled_adapters
 
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str = "constant",
               min_ratio: float = 0.0) -> float:
-    """Multiplier of the peak learning rate at training step `step` (0-based): a linear warmup from
-    1/(warmup+1) to 1 (so the first step is not wasted at lr 0), then constant, linear or cosine decay.
+    """Multiplier of the peak learning rate at training step `step` (0-based; all of a step's optimizer steps share
+    it, as in verl): a linear warmup from 1/(warmup+1) to 1 (so the first step is not wasted at lr 0), then
+    constant, linear or cosine decay.
 
     >>> [round(lr_factor(s, warmup_steps=2, total_steps=6, schedule="linear"), 4) for s in range(6)]
     [0.3333, 0.6667, 1.0, 0.6667, 0.3333, 0.0]
@@ -54,13 +48,8 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str =
 # --- The plan: mini-batches and micro-batches ------------------------------------------------------------------
 
 def mini_batches(num_prompts: int, group_size: int, prompts_per_mini_batch: int | None) -> list[Tensor]:
-    """Row indices of each mini-batch: `prompts_per_mini_batch` whole consecutive groups (None: all of them).
-
-    Returns M = num_prompts / prompts_per_mini_batch index tensors [prompts_per_mini_batch * G] long.
-
-    >>> [rows.tolist() for rows in mini_batches(4, 2, 2)]
-    [[0, 1, 2, 3], [4, 5, 6, 7]]
-    """
+    """Row indices [prompts_per_mini_batch * G] long of each mini-batch: `prompts_per_mini_batch` whole
+    consecutive groups (None: all of them)."""
     size = num_prompts if prompts_per_mini_batch is None else prompts_per_mini_batch
     if size < 1 or num_prompts % size:
         raise ValueError(f"algorithm.ppo_mini_batch_size={prompts_per_mini_batch} must be >= 1 and divide "
@@ -70,16 +59,8 @@ def mini_batches(num_prompts: int, group_size: int, prompts_per_mini_batch: int 
 
 
 def mini_batch_denominators(mask: Tensor, minis: Sequence[Tensor], agg: str) -> Tensor:
-    """This rank's loss denominator of each mini-batch (grpo.losses.loss_denominator of its rows: tokens, or
-    sequences with a token); sum the [M] result over ranks (one all-reduce) for the global ones.
-
-    mask: [B, T] 0/1 (filler groups of dynamic sampling are 0: they add nothing). Returns [M] float32.
-
-    >>> mini_batch_denominators(torch.tensor([[1, 1], [1, 0], [0, 0], [1, 1]]), [torch.tensor([0, 1]),
-    ...                         torch.tensor([2, 3])], "token-mean")
-    tensor([3., 2.])
-    """
-    check_ndim(mask, "mask", 2)
+    """This rank's loss denominator [M] float32 of each mini-batch (grpo.losses.loss_denominator of its rows of
+    mask [B, T], where filler groups are 0); summed over ranks by one all-reduce, the global ones."""
     return torch.stack([loss_denominator(mask[rows], agg).float() for rows in minis])
 
 
@@ -111,15 +92,12 @@ class MiniBatch:
 def micro_batches(minis: Sequence[Tensor], lengths: Sequence[int], *, rows_per_micro_batch: int,
                   max_tokens: int = 0, agree_max: Callable[[Tensor], Tensor] = lambda counts: counts
                   ) -> list[list[MicroBatch]]:
-    """The micro-batches of each mini-batch.
+    """The micro-batches of each mini-batch. lengths: [B] prompt + completion tokens of each row.
 
-    lengths: [B] prompt + completion tokens of each row. max_tokens 0: consecutive runs of
-    `rows_per_micro_batch` rows (the same count on every rank, since every rank has the same P and G).
-    max_tokens > 0: as few micro-batches of at most max_tokens tokens as
-    models.batching.micro_batches_by_tokens finds, and then every rank takes the largest count any rank
-    needs (`agree_max`: the max all-reduce of an [M] tensor; identity for one process), running the extra
-    ones as weight-0 passes.
-    Raises ValueError naming both numbers when one row alone exceeds max_tokens.
+    max_tokens 0: runs of `rows_per_micro_batch` rows (the same count on every rank: every rank has the same P
+    and G). max_tokens > 0: as few micro-batches of at most max_tokens tokens as micro_batches_by_tokens finds;
+    then every rank takes the largest count any rank needs (`agree_max`, the max all-reduce of an [M] tensor),
+    running the extra ones as weight-0 passes.
     """
     if max_tokens <= 0:
         return [[MicroBatch(rows[start:start + rows_per_micro_batch])
@@ -144,11 +122,9 @@ def micro_batches(minis: Sequence[Tensor], lengths: Sequence[int], *, rows_per_m
 def plan_update(completions: Sequence, mask: Tensor, cfg: Config, world_size: int, pad_id: int, *,
                 all_reduce_sum: Callable[[Tensor], Tensor] = lambda t: t,
                 all_reduce_max: Callable[[Tensor], Tensor] = lambda t: t) -> list[MiniBatch]:
-    """The update's plan for one rollout: mini-batches of whole groups (algorithm.ppo_mini_batch_size counts
-    prompts over all `world_size` ranks, as in verl) made of micro-batches (every rank runs as many, since
-    FSDP's collectives pair up across ranks), each micro-batch with its padded inputs, each mini-batch's
-    denominator summed over ranks (one all-reduce). completions: the B rollout.engine.Completion of the step;
-    mask: [B, T] 0/1 (0 for fillers)."""
+    """The update's plan for one rollout: mini-batches (algorithm.ppo_mini_batch_size counts prompts over all
+    `world_size` ranks, as in verl) of micro-batches with their padded inputs (every rank runs as many, since
+    FSDP's collectives pair up across ranks), each with its denominator summed over ranks."""
     mini = cfg.algorithm.ppo_mini_batch_size
     minis = mini_batches(cfg.trainer.prompts_per_step, cfg.rollout.n, None if mini is None else mini // world_size)
     plan = micro_batches(minis, [len(c.prompt_ids) + len(c.completion_ids) for c in completions],
@@ -197,14 +173,6 @@ def all_rows(pass_fn: Callable[[dict], Tensor], mini_batches: list[MiniBatch], s
     return out
 
 
-def padded(rows: list[list[float]], width: int) -> Tensor:
-    """B ragged rows -> [B, width] float32, zero-padded on the right."""
-    out = torch.zeros(len(rows), width)
-    for b, row in enumerate(rows):
-        out[b, : len(row)] = torch.as_tensor(row, dtype=torch.float32)
-    return out
-
-
 def needs_old_pass(cfg: Config, model: torch.nn.Module) -> bool:
     """Whether the old logprobs need a pass of their own: several optimizer steps per rollout, the KL in the
     reward (it needs them before the update), or dropout (the update's pass would differ from the engines')."""
@@ -223,7 +191,9 @@ def reference_logprobs(parts, inputs: dict) -> Tensor:
 
 
 def prepare(parts, batch: Batch, dist) -> Prepared:
-    """The update's inputs for one rollout batch (see the module docstring). parts: grpo.trainer.Parts."""
+    """What the update trains on: its plan, the old and reference logprobs (once per rollout, before any update,
+    in eval mode: the engines sample without dropout), the rewards with their penalties (DAPO's overlong shaping,
+    verl's KL in the reward) and the advantages. parts: grpo.trainer.Parts."""
     cfg, model = parts.cfg, parts.policy.model
     algo = cfg.algorithm
     to_device = lambda reduce: lambda t: reduce(t.to(dist.device)).cpu()  # noqa: E731
@@ -249,29 +219,23 @@ def prepare(parts, batch: Batch, dist) -> Prepared:
     advantages = compute_advantages(algo.adv_estimator, rewards, batch.token_shaping, batch.mask, cfg.rollout.n,
                                     eps=algo.adv_eps, weights=batch.loss_weight,
                                     all_reduce_sum=to_device(dist.all_reduce_sum))
-    rollout = padded([c.logprobs for c in batch.completions], batch.mask.shape[1])
+    rollout = torch.zeros(batch.mask.shape)  # the engine's logprobs, zero-padded on the right
+    for b, completion in enumerate(batch.completions):
+        rollout[b, : len(completion.logprobs)] = torch.as_tensor(completion.logprobs, dtype=torch.float32)
     kl_in_loss = ref if algo.kl_coef > 0 and not algo.kl_in_reward else None
     return Prepared(mini_batches, batch.mask, advantages, rollout, old, kl_in_loss, rewards, metrics)
 
 
 # --- update: the optimizer steps --------------------------------------------------------------------------------
 
-def global_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """Clip the gradients to `max_norm` (0: no clipping) and return their norm before clipping. Under FSDP2
-    the norm of the sharded gradients is a DTensor whose full value is the global norm over all ranks."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-
-
 def optimizer_step(policy, cfg: Config, dist, log, *, step: int, loss: float, skips: int) -> tuple[float, int]:
-    """Clip, then take the optimizer step (or skip it) and zero the gradients; shared by the RL and SFT loops.
-
-    loss: this rank's loss of the optimizer step (its sum over micro-batches). Every rank takes the same decision: the
-    grad norm is global and the non-finite flag is reduced over ranks. Returns (grad norm, consecutive skips);
-    raises RuntimeError after trainer.max_consecutive_skips skipped steps in a row, before any checkpoint of such
-    weights.
-    """
-    grad_norm = global_grad_norm(policy.model, cfg.optim.grad_clip)
+    """Clip to optim.grad_clip (0: no clipping), then take the optimizer step, or skip it when this rank's `loss`
+    or the norm is not finite on some rank (every rank takes the same decision), and zero the gradients. Returns
+    (grad norm before clipping, consecutive skips); raises after trainer.max_consecutive_skips in a row, before
+    any checkpoint of such weights."""
+    norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), cfg.optim.grad_clip or float("inf"))
+    # Under FSDP2 the norm of the sharded gradients is a DTensor whose full value is the global norm.
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     bad = dist.all_reduce_max(torch.tensor(float(not (math.isfinite(loss) and math.isfinite(grad_norm))),
                                            device=dist.device))
     if bool(bad > 0):
