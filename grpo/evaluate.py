@@ -9,11 +9,8 @@ from collections.abc import Sequence
 
 import torch
 
-from grpo.scoring import Scorer, correctness
+from grpo.scoring import Scorer, correctness, numeric_components
 from grpo.stats import mean_interval
-
-# Per-prompt values every evaluation keeps, besides the reward's own numeric components ("format", "evidence", ...).
-BASE_METRICS = ("reward", "acc")
 
 
 def greedy_completions(engine, prompt_ids: Sequence[list[int]], *, max_new_tokens: int, batch_size: int = 16) -> list:
@@ -30,19 +27,16 @@ def greedy_completions(engine, prompt_ids: Sequence[list[int]], *, max_new_token
 
 
 def score_record(scorer: Scorer, row: dict, text: str, position: int = 0) -> dict[str, float]:
-    """One completion's held-out values: reward, acc (0/1), and every numeric component of the reward (its
-    "format" among them, when it has one)."""
+    """One completion's held-out values: reward, acc (0/1), and every numeric component of the reward."""
     result = scorer.result(row, text, position)
     values = {"reward": result["score"], "acc": correctness(result, result["score"], scorer.correct_threshold)}
-    values.update({key: float(value) for key, value in result.items()
-                   if key not in ("score", "sentences") and isinstance(value, (int, float, bool))})
-    return values
+    return values | numeric_components(result)
 
 
 def metric_names(scorer: Scorer, rows: Sequence[dict]) -> list[str]:
-    """BASE_METRICS, then the numeric components of each data source's reward (found by scoring an empty
+    """reward, acc, then the numeric components of each data source's reward (found by scoring an empty
     completion of its first row: cheap, and the same on every rank, so ranks gather the same columns)."""
-    names = list(BASE_METRICS)
+    names = ["reward", "acc"]
     first_rows = {row["data_source"]: row for row in reversed(rows)}
     for source in sorted(first_rows):
         names += [name for name in score_record(scorer, first_rows[source], "") if name not in names]
@@ -51,12 +45,11 @@ def metric_names(scorer: Scorer, rows: Sequence[dict]) -> list[str]:
 
 def evaluate(engine, scorer: Scorer, rows: Sequence[dict], prompt_ids: Sequence[list[int]], dist, *,
              max_new_tokens: int, batch_size: int = 16) -> dict:
-    """Score every held-out row (each replica completes every dp_size-th row; the values are gathered; the
-    ranks of a tensor-parallel replica submit the same requests and its first rank reports them).
+    """Score every held-out row: each replica completes every dp_size-th row (the ranks of a tensor-parallel
+    replica submit the same requests and its first rank reports them), and the values are gathered.
 
-    Returns {"count": N, "values": {metric: [N per-prompt floats, NaN where undefined]}, "means": {metric:
-    (mean, low, high)}, "records": this rank's [{"index", "completion", "finish_reason", **values}]}.
-    Metrics: metric_names (a component a row's reward lacks is NaN for that row).
+    Returns {"count": N, "values": {metric: [N per-prompt floats, NaN where a row's reward lacks it]}, "means":
+    {metric: (mean, low, high)}, "records": this rank's [{"index", "completion", "finish_reason", **values}]}.
     """
     mine = list(range(dist.dp_rank, len(rows), dist.dp_size))
     completions = greedy_completions(engine, [prompt_ids[i] for i in mine], max_new_tokens=max_new_tokens,
@@ -76,24 +69,11 @@ def evaluate(engine, scorer: Scorer, rows: Sequence[dict], prompt_ids: Sequence[
             "records": records}
 
 
-def summarize(result: dict, prefix: str = "eval/") -> dict[str, float]:
-    """evaluate()'s result as flat numbers for metrics.jsonl: prefix+metric (the mean), +"_low" / +"_high"
-    (its 95% interval) and prefix+"count"."""
-    out = {f"{prefix}count": float(result["count"])}
+def summarize(result: dict) -> dict[str, float]:
+    """evaluate()'s result as flat numbers for metrics.jsonl: eval/<metric> (the mean), eval/<metric>_low and
+    _high (its 95% interval) and eval/count."""
+    out = {"eval/count": float(result["count"])}
     for name, (mean, low, high) in result["means"].items():
-        out.update({f"{prefix}{name}": mean, f"{prefix}{name}_low": low, f"{prefix}{name}_high": high})
+        out.update({f"eval/{name}": mean, f"eval/{name}_low": low, f"eval/{name}_high": high})
     return out
 
-
-def held_out_due(done: int, start: int, trainer) -> bool:
-    """Whether the loops score the held-out rows with the weights after `done` steps of a run that started at step
-    `start`: before its first step when trainer.eval_before, every trainer.eval_every steps (0: never between)
-    and after the last one. The one schedule, also for engine ranks of their own (launch/separate.py).
-
-    >>> from grpo.config import TrainerConfig
-    >>> [d for d in range(11) if held_out_due(d, 0, TrainerConfig(steps=10, eval_every=4))]
-    [0, 4, 8, 10]
-    """
-    if done == start:
-        return trainer.eval_before
-    return done == trainer.steps or (trainer.eval_every > 0 and done % trainer.eval_every == 0)

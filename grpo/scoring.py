@@ -30,6 +30,12 @@ def correctness(result: dict, score: float, threshold: float) -> float:
     return float(score >= threshold)
 
 
+def numeric_components(result: dict) -> dict[str, float]:
+    """The reward's numeric components besides its score ("format", "evidence", ...), as floats."""
+    return {key: float(value) for key, value in result.items()
+            if key not in ("score", "sentences") and isinstance(value, (int, float, bool))}
+
+
 def format_success(result: dict) -> float:
     """The one definition of format success: 1.0 when the reward's `format` component is 1 (every block the
     protocol asks for is there), 0.0 below, NaN when the reward has no format component (rates skip NaN).
@@ -52,12 +58,9 @@ class Scores:
 
 @dataclass(frozen=True)
 class Scorer:
-    """Everything scoring needs besides the completions: the registry's compute_score, the tokenizer's prefix
-    decoder (for sentence spans), the sentence coefficient lambda and the correctness threshold.
-
-    compute_scores, when given, scores many calls at once (launch/reward_pool.py: worker processes, a timeout per
-    call): calls -> one outcome per call, the result or the exception of a call that failed (None for a call
-    not made after a failure). Without it the calls are made one at a time with compute_score."""
+    """Everything scoring needs besides the completions. compute_scores, when given, scores many calls at once
+    (launch/reward_pool.py: worker processes, a timeout per call): one outcome per call, its result or its
+    exception (None for a call not made after a failure)."""
     compute_score: Callable
     decode_prefixes: Callable[[Sequence[int]], list[str]]  # ids -> [decode(ids[:k]) for k in 0..len(ids)]
     sentence_coef: float = 1.0
@@ -66,7 +69,7 @@ class Scorer:
 
     @staticmethod
     def _call(row: dict, text: str) -> tuple:
-        """compute_score's arguments for one completion of `row` (verl's signature)."""
+        """compute_score's arguments (verl's signature)."""
         return row["data_source"], text, row.get("reward_model", {}).get("ground_truth"), row.get("extra_info")
 
     @staticmethod
@@ -99,22 +102,16 @@ class Scorer:
         return [self._checked(outcome, row, b) for b, (outcome, row) in enumerate(zip(outcomes, rows))]
 
     def score(self, texts: Sequence[str], completion_ids: Sequence[Sequence[int]], rows: Sequence[dict]) -> Scores:
-        """texts, completion_ids, rows: B aligned entries (row b is the prompt row of completion b).
-
-        token_shaping[b, t] = sentence_coef * r_sent of the sentence holding token t (0 outside sentences).
-        """
-        if not (len(texts) == len(completion_ids) == len(rows)):
-            raise ValueError(f"texts ({len(texts)}), completion_ids ({len(completion_ids)}) and rows ({len(rows)}) "
-                             f"differ")
+        """B completions and their prompt rows, scored: token_shaping[b, t] = sentence_coef * r_sent of the sentence
+        holding token t (0 outside sentences)."""
         width = max((len(ids) for ids in completion_ids), default=0)
         token_shaping = torch.zeros(len(texts), width)
         rewards, correct, components = [], [], {}
         for b, (ids, result) in enumerate(zip(completion_ids, self.results(texts, rows))):
             rewards.append(result["score"])
             correct.append(correctness(result, result["score"], self.correct_threshold))
-            for key, value in result.items():
-                if key not in ("score", "sentences") and isinstance(value, (int, float, bool)):
-                    components.setdefault(key, [math.nan] * b).append(float(value))
+            for key, value in numeric_components(result).items():
+                components.setdefault(key, [math.nan] * b).append(value)
             for values in components.values():  # keep every component list aligned with b
                 if len(values) < b + 1:
                     values.append(math.nan)

@@ -8,9 +8,8 @@ start before RL), each one function read top to bottom. An RL step is three phas
     sync     parts.rollout.sync_weights the engine(s) get the updated weights, within rollout.sync_timeout_s
 
 Variants are settings of the run's Config (grpo/config.py), not subclasses. What is global under torchrun (loss
-denominators, batch statistics, the gradient norm, the skip decision) is reduced where it is computed;
-everything else is per rank, exact because a group never spans two ranks. `dist` is launch.dist.DistInfo:
-rank, world size, device, the replica (dp_rank of dp_size, tp_rank of tp_size) and two all-reduces.
+denominators, batch statistics, the gradient norm, the skip decision) is reduced where it is computed; the rest
+is per rank, exact because a group never spans two ranks. `dist` is launch.dist.DistInfo.
 """
 from __future__ import annotations
 
@@ -26,8 +25,8 @@ from typing import Any, Protocol
 
 import torch
 
-from grpo.config import Config
-from grpo.evaluate import held_out_due, summarize
+from grpo.config import Config, TrainerConfig
+from grpo.evaluate import summarize
 from grpo.groups import PromptSampler, Rollout
 from grpo.losses import aggregate, loss_denominator
 from grpo.metrics import NoSignalWatch, reduce_metrics, step_metrics
@@ -40,8 +39,7 @@ SFT_AGG = "token-mean"  # every completion token of an SFT step weighs the same
 
 
 class StepFailed(RuntimeError):
-    """A failure inside a loop, with the phase it happened in (rollout_reward, logprob, update, sync, held-out
-    evaluation, checkpoint, stop request) and the step; the error itself is the cause. launch.train names the rank."""
+    """A failure inside a loop, with the phase it happened in and the step; the error itself is the cause."""
 
     def __init__(self, phase: str, step: int | None, error: BaseException):
         super().__init__(f"{phase} failed at step {step}: {type(error).__name__}: {error}")
@@ -72,10 +70,10 @@ def _expire(what: Callable[[], str], limit: str) -> None:
 
 @contextmanager
 def deadline(seconds: float, limit: str, what: Callable[[], str]):
-    """Work that can stall where no exception reaches it (a weight sync blocked inside a C call, an engine that
-    never returns): past `seconds` a timer thread prints what stalled (what(): the work, step and rank), the stack
-    of every thread, and ends the process with EXIT_STALLED; under torchrun the other ranks then fail at their
-    next collective. limit: how the deadline is named, e.g. "rollout.sync_timeout_s=60 s"."""
+    """Work that can stall where no exception reaches it (a weight sync blocked inside a C call): past `seconds` a
+    timer thread prints what() stalled, named by `limit` (e.g. "rollout.sync_timeout_s=60 s"), and the stack of
+    every thread, and ends the process with EXIT_STALLED; under torchrun the other ranks then fail at their next
+    collective."""
     timer = threading.Timer(seconds, _expire, args=(what, limit))
     timer.daemon = True
     timer.start()
@@ -98,8 +96,8 @@ class Log(Protocol):
 
 
 class Checkpoints(Protocol):
-    """The run's progress (launch.checkpointing.Checkpointer): where it starts, and, at the end of every step,
-    periodic checkpoints and stop requests agreed over ranks (end_step is True when the loop must stop now)."""
+    """The run's progress (launch.checkpointing.Checkpointer): where it starts, and at the end of every step the
+    periodic checkpoints and stop requests agreed over ranks (end_step: True when the loop must stop now)."""
     start_step: int
 
     def end_step(self, done: int) -> bool: ...
@@ -129,15 +127,29 @@ class Parts:
     sampler: PromptSampler | None = None  # SFT: this rank's order over the examples
 
 
-def held_out(parts: Parts, done: int, start: int, *, sync: bool = False) -> dict | None:
-    """The held-out result with the weights after `done` steps when the schedule asks for one
-    (grpo.evaluate.held_out_due), else None; sync: push the weights into the engine first (SFT)."""
+def held_out_due(done: int, start: int, trainer: TrainerConfig) -> bool:
+    """Whether the held-out rows are scored with the weights after `done` steps of a run that started at `start`:
+    before its first step when trainer.eval_before, every trainer.eval_every steps (0: never between) and after
+    the last one. The one schedule, also for engine ranks of their own (launch/separate.py)."""
+    if done == start:
+        return trainer.eval_before
+    return done == trainer.steps or (trainer.eval_every > 0 and done % trainer.eval_every == 0)
+
+
+def held_out(parts: Parts, done: int, start: int, results: dict, *, sync: bool = False) -> dict:
+    """Score the held-out rows with the weights after `done` steps when the schedule asks for it, keeping the
+    result as results["before"] (done == start) or ["after"]; sync: push the weights into the engine first
+    (SFT). Returns the point of the held-out curve to log (eval/* metrics), {} without one."""
     if parts.rollout is None or not held_out_due(done, start, parts.cfg.trainer):
-        return None
+        return {}
     with phase("held-out evaluation", done):
         if sync:
             parts.rollout.sync_weights()
-        return parts.rollout.evaluate(done)
+        result = parts.rollout.evaluate(done)
+    if result is None:  # no held-out rows
+        return {}
+    results["before" if done == start else "after"] = result
+    return summarize(result) if parts.cfg.trainer.eval_every else {}
 
 
 def train_rl(parts: Parts, dist) -> dict:
@@ -146,10 +158,8 @@ def train_rl(parts: Parts, dist) -> dict:
     cfg, log, start = parts.cfg, parts.log, parts.checkpoints.start_step
     watch = NoSignalWatch(cfg)
     results, metrics, skips = {}, {}, 0
-    if (before := held_out(parts, start, start)) is not None:
-        results["before"] = before
-        if cfg.trainer.eval_every and start == 0:
-            log.metrics(0, summarize(before))  # the curve's starting point
+    if (point := held_out(parts, start, start, results)) and start == 0:
+        log.metrics(0, point)  # the curve's starting point
     for step in range(start, cfg.trainer.steps):
         times: dict[str, float] = {}
         lr = parts.policy.scheduler.get_last_lr()[0]
@@ -172,10 +182,7 @@ def train_rl(parts: Parts, dist) -> dict:
         # Each rank's share of a loss divided by the whole step's count: their sum is the step's loss.
         metrics["loss"] = float(dist.all_reduce_sum(torch.tensor(result.loss, dtype=torch.float64,
                                                                   device=dist.device)))
-        if (after := held_out(parts, step + 1, start)) is not None:
-            results["after"] = after
-            if cfg.trainer.eval_every:  # a point of the held-out curve
-                metrics.update(summarize(after))
+        metrics.update(held_out(parts, step + 1, start, results))
         for warning in watch.update(metrics, step + 1):
             log.warn(warning)
         log.metrics(step + 1, metrics, postfix_keys=("reward_mean", "acc", "format_rate"))
@@ -194,17 +201,14 @@ def first_group_samples(batch, rewards, group_size: int) -> list[dict]:
 
 
 def train_sft(parts: Parts, dist) -> dict:
-    """Next-token loss on completion tokens only, for trainer.steps steps from parts.checkpoints.start_step. Batches
-    are padded as in the RL passes (prompt left, completion right); the loss is the mean over the completion tokens
-    of the whole step (all micro-batches and ranks), so gradient accumulation does not change the gradient.
-    Returns {"final", "before", "after"} as train_rl does."""
+    """Next-token loss on completion tokens only, for trainer.steps steps from parts.checkpoints.start_step: the mean
+    over the completion tokens of the whole step (all micro-batches and ranks), so gradient accumulation does not
+    change the gradient. Returns {"final", "before", "after"} as train_rl does."""
     cfg, log, start = parts.cfg, parts.log, parts.checkpoints.start_step
     model, trainer = parts.policy.model, cfg.trainer
     results, skips, metrics = {}, 0, {}
-    if (before := held_out(parts, start, start)) is not None:
-        results["before"] = before
-        if trainer.eval_every and start == 0:
-            log.metrics(0, summarize(before))  # the curve's starting point
+    if (point := held_out(parts, start, start, results)) and start == 0:
+        log.metrics(0, point)  # the curve's starting point
     for step in range(start, trainer.steps):
         started = time.perf_counter()
         with phase("update", step + 1):
@@ -229,10 +233,7 @@ def train_sft(parts: Parts, dist) -> dict:
         metrics = {"loss": loss_value, "grad_norm": grad_norm, "lr": lr, "skipped": float(skips > 0),
                    "tokens": float(num_tokens), "tokens_per_s": float(num_tokens) / dist.world_size / elapsed,
                    "time_step": elapsed}
-        if (after := held_out(parts, step + 1, start, sync=True)) is not None:
-            results["after"] = after
-            if trainer.eval_every:  # a point of the held-out curve
-                metrics.update(summarize(after))
+        metrics.update(held_out(parts, step + 1, start, results, sync=True))
         log.metrics(step + 1, metrics, postfix_keys=("loss",))
         if parts.checkpoints.end_step(step + 1):  # a stop request: stop at a step boundary (consistent state)
             break

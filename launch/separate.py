@@ -11,7 +11,7 @@ Both sides run the same sequence (j: a step; v_j: the weights after j optimizer 
                  S = 1: generate b_j with the weights it has (v_{j-1}; v_start at j = start)
                  j > start: join the broadcast of v_j (or of a stop: leave)
                  S = 0: generate b_j with v_j
-                 score the held-out rows when the loop evaluates after j (grpo.evaluate.held_out_due)
+                 score the held-out rows when the loop evaluates after j (grpo.trainer.held_out_due)
                  the replica's first rank sends each trainer it serves msg_j: its share of b_j, the version of the
                  weights that generated it, the replica's data position after it, the held-out result
              join the broadcast of v_steps; with held-out rows score them and send msg_steps (no batch)
@@ -35,8 +35,8 @@ import torch
 import torch.distributed as torch_dist
 
 from grpo.config import Config
-from grpo.evaluate import held_out_due
 from grpo.groups import Batch, LocalRollout
+from grpo.trainer import held_out_due
 from launch.dist import DistInfo
 from models.lora import merged_state_dict
 from rollout.engine import stream_seed

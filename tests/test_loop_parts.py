@@ -7,11 +7,12 @@ import math
 import pytest
 import torch
 
-from grpo.evaluate import evaluate, greedy_completions, held_out_due, summarize
+from grpo.evaluate import evaluate, greedy_completions, summarize
 from grpo.groups import LocalRollout, PromptSampler
 from grpo.metrics import NoSignalWatch, reduce_metrics, step_metrics
 from grpo.scoring import Scorer, correctness, format_success
 from grpo.stats import mean_interval, paired_difference, t_quantile
+from grpo.trainer import held_out_due
 from rollout.engine import Completion
 
 
