@@ -14,18 +14,13 @@ from torch import Tensor
 
 
 def token_char_spans(prefix_texts: Sequence[str]) -> list[tuple[int, int]]:
-    """Character span of each token from the decoded prefixes of its completion.
-
-    prefix_texts: T + 1 strings, prefix_texts[k] = decode(ids[:k]) (so prefix_texts[0] == "" and
-                  prefix_texts[T] is the whole text), e.g. tokenizer.batch_decode([ids[:k] for k in ...]).
-    Returns T spans (start, end) that tile [0, len(prefix_texts[-1])) in order. A token that completes
-    only part of a character (byte-level BPE) gets an empty span or the character's span.
+    """Character span of each token from the T + 1 decoded prefixes of its completion, prefix_texts[k] =
+    decode(ids[:k]). Returns T spans (start, end) that tile [0, len(prefix_texts[-1])) in order; a token that
+    completes only part of a character (byte-level BPE) gets an empty span or the character's span.
 
     >>> token_char_spans(["", "Hello", "Hello world", "Hello world."])
     [(0, 5), (5, 11), (11, 12)]
     """
-    if len(prefix_texts) < 1:
-        raise ValueError("prefix_texts needs at least one entry (the empty prefix)")
     total = len(prefix_texts[-1])
     spans, start = [], 0
     for text in prefix_texts[1:]:
@@ -48,12 +43,9 @@ def _as_spans(spans, name: str) -> Tensor:
 
 
 def token_sentence_index(token_char_spans, sentence_char_spans) -> Tensor:
-    """Index of the sentence containing each token's midpoint, -1 for none.
-
-    token_char_spans:    T pairs (start, end) or LongTensor [T, 2].
-    sentence_char_spans: S pairs (start, end) or LongTensor [S, 2], not overlapping, end exclusive.
-    Tokens with an empty span (special tokens) and tokens outside every sentence (tags, whitespace) get -1.
-    Returns LongTensor [T].
+    """Index [T] long of the sentence containing each token's midpoint, from T token and S sentence spans
+    (start, end), end exclusive, sentences not overlapping; -1 for a token with an empty span (special tokens) or
+    outside every sentence (tags, whitespace).
 
     >>> token_sentence_index([(0, 3), (3, 7), (7, 8), (8, 12)], [(0, 7), (8, 12)])
     tensor([ 0,  0, -1,  1])
@@ -70,17 +62,8 @@ def token_sentence_index(token_char_spans, sentence_char_spans) -> Tensor:
 
 
 def sentence_shaping(index: Tensor, sentence_rewards, coef: float = 1.0) -> Tensor:
-    """Per-token shaping coef * r_sent(sentence of the token), 0 where index is -1.
-
-    index:            LongTensor [T] from token_sentence_index.
-    sentence_rewards: S floats (list or [S] tensor).
-    Returns [T] float32 (a row of grpo.advantages.group_advantages' token_shaping).
-
-    >>> sentence_shaping(torch.tensor([0, 0, -1, 1]), [0.1, -0.3], coef=1.0)
-    tensor([ 0.1000,  0.1000,  0.0000, -0.3000])
-    """
-    if index.ndim != 1:
-        raise ValueError(f"index must have 1 dimension, got shape {tuple(index.shape)}")
+    """Per-token shaping [T] float32 coef * r_sent(sentence of the token), 0 where index [T] is -1: a row of
+    grpo.advantages.group_advantages' token_shaping."""
     rewards = torch.as_tensor(sentence_rewards, dtype=torch.float32).reshape(-1)
     if index.numel() and int(index.max()) >= rewards.shape[0]:
         raise ValueError(f"index refers to sentence {int(index.max())} but only {rewards.shape[0]} rewards given")

@@ -1,8 +1,6 @@
-"""The rollout phase: where a step's scored groups come from, behind one seam (`Rollout`). `LocalRollout` is a
-rank whose own engine generates (the colocated placement, and each engine rank of rollout.placement=separate):
-the rank's prompts in a seeded order, G completions each, scored, and with DAPO's dynamic sampling only groups
-whose correctness varies, generating more until the batch is full or the round limit is hit. The other
-implementation, launch/separate.py's RemoteRollout, receives its batches from engine ranks of their own.
+"""The rollout phase: where a step's scored groups come from, behind one seam (`Rollout`): LocalRollout, a rank
+whose own engine generates (the colocated placement, and each engine rank of rollout.placement=separate), or
+launch/separate.py's RemoteRollout, which receives its batches from engine ranks of their own.
 """
 from __future__ import annotations
 
@@ -57,11 +55,6 @@ class Group:
     components: dict[str, list[float]]  # each G values
 
 
-def _pad_columns(tensors: Sequence[Tensor], width: int) -> Tensor:
-    """Stack [n_i, T_i] tensors into [sum n_i, width], zero-padded on the right."""
-    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors])
-
-
 @dataclass
 class Batch:
     """B = P * G completions of P prompts (a prompt's G completions consecutive), ready for the update."""
@@ -84,6 +77,8 @@ class Batch:
         width = int(lengths.max()) if len(lengths) else 0
         loss_weight = torch.tensor([w for g, w in zip(groups, weights) for _ in g.completions], dtype=torch.float32)
         mask = (torch.arange(width)[None, :] < lengths[:, None]).float() * loss_weight[:, None]
+        token_shaping = torch.cat([torch.nn.functional.pad(g.token_shaping, (0, width - g.token_shaping.shape[1]))
+                                   for g in groups])
         components: dict[str, list[float]] = {}
         for group in groups:
             for key, values in group.components.items():
@@ -91,14 +86,13 @@ class Batch:
         return cls(completions=[c for g in groups for c in g.completions], rows=[r for g in groups for r in g.rows],
                    rewards=torch.cat([g.rewards for g in groups]), correct=torch.cat([g.correct for g in groups]),
                    lengths=lengths, loss_weight=loss_weight, mask=mask,
-                   token_shaping=_pad_columns([g.token_shaping for g in groups], width), components=components,
+                   token_shaping=token_shaping, components=components,
                    rounds=rounds, generated_groups=generated)
 
 
 class Rollout(Protocol):
     """What the loops need from the rollout: a step's batch, the weights pushed after an update, and the held-out
-    evaluation with the weights of `step` optimizer steps (grpo.evaluate.evaluate's result; None without
-    held-out rows). LocalRollout here; launch.separate.RemoteRollout when the engines run on ranks of their own."""
+    evaluation with the weights of `step` optimizer steps (grpo.evaluate.evaluate's result; None without rows)."""
 
     def collect(self, step: int) -> Batch: ...
     def sync_weights(self) -> dict: ...
@@ -107,13 +101,9 @@ class Rollout(Protocol):
 
 
 class LocalRollout:
-    """A rank's rollout on its own engine.
-
-    policy: the model whose weights sync_weights pushes into the engine, or None when the engine generates with
-    the policy module itself (one process, one dtype) or there is nothing to push (an engine rank of a separate
-    placement receives its weights by broadcast). rows / prompt_ids: the training rows and their rendered
-    prompts; eval_rows / eval_prompt_ids: the held-out ones (empty: no evaluation). dist: launch.dist.DistInfo
-    (the ranks of one tensor-parallel replica draw the same prompts and seeds and keep their own shares)."""
+    """A rank's rollout on its own engine. policy: the model whose weights sync_weights pushes into the engine;
+    None when the engine generates with the policy module itself (one process, one dtype) or receives its weights
+    by broadcast (an engine rank of a separate placement). eval_rows empty: no held-out evaluation."""
 
     def __init__(self, cfg: Config, engine, scorer: Scorer, dist, *, rows: Sequence[dict],
                  prompt_ids: Sequence[list[int]], eval_rows: Sequence[dict] = (),
@@ -151,15 +141,13 @@ class LocalRollout:
         return groups
 
     def collect_shares(self, seed: int, shares: int) -> list[Batch]:
-        """Generate and score until `shares * P` groups are kept (all of them without dynamic sampling), and cut
-        them into `shares` batches of P = trainer.prompts_per_step groups.
+        """Generate and score until `shares` batches of P = trainer.prompts_per_step groups are full. shares: the
+        ranks of a tensor-parallel replica (each runs this with the same sampler state and seed, as vLLM needs)
+        or the trainers an engine rank of a separate placement serves.
 
-        shares: the trainer ranks one replica generates for: the ranks of a tensor-parallel replica (each runs
-        this with the same sampler state and seed, as vLLM needs, and keeps its own share), or the trainers an
-        engine rank of a separate placement serves. With dynamic sampling (DAPO) a group is kept only when its
-        correctness is not constant; a batch still short after algorithm.max_gen_batches rounds is filled with
-        dropped groups whose loss weight is 0, so every rank runs the same number of micro-batches (FSDP needs
-        it). Round 0 generates with `seed` (stream_seed(run seed, step, replica)), round r > 0 with
+        With dynamic sampling (DAPO) only groups whose correctness varies are kept, generating more until the
+        batches are full; short after algorithm.max_gen_batches rounds, they are filled with dropped groups of
+        loss weight 0, so every rank runs as many micro-batches (FSDP needs it). Round r > 0 generates with
         stream_seed(seed, r): no round, step or replica reuses another's stream.
         """
         algo, num_prompts = self.cfg.algorithm, self.cfg.trainer.prompts_per_step

@@ -1,7 +1,5 @@
-"""Per-step metrics of the RL loop (TRL-style names) and their reduction over ranks.
-
-The ones that catch silent no-learning: flat_group_frac, truncation_rate, per-component reward
-means, ratio_mean on the first update (1 on-policy, unless dropout is on) and the time split.
+"""Per-step metrics of the RL loop (TRL-style names), their reduction over ranks, and the warnings that catch
+silent no-learning (flat groups, truncation).
 """
 from __future__ import annotations
 
@@ -22,10 +20,9 @@ def _nanmean(values) -> float:
 
 def step_metrics(batch, rewards: Tensor, group_size: int, updates: list[dict], times: dict, *, grad_norm: float,
                  lr: float, skipped: float, sync_info: dict, step: int = 0) -> dict:
-    """Everything one step logs. batch: grpo.groups.Batch; rewards: [B] the rewards advantages were computed
-    from (overlong penalty included); `updates` holds one dict per micro-batch update (epoch 0 first).
-    Per-update metrics come from the updates that trained on some token: a micro-batch of filler groups
-    (dynamic sampling) has no ratio; a rank with none at all reports NaN, which reduce_metrics skips."""
+    """Everything one step logs. rewards: [B] the advantages' (penalties included); `updates`: one dict per
+    micro-batch update, epoch 0 first. Per-update metrics come from the updates that trained on some token (a
+    micro-batch of filler groups has no ratio); a rank with none reports NaN, which reduce_metrics skips."""
     lengths = batch.lengths
     truncated = [c.finish_reason == "length" for c in batch.completions]
     tokens = sum(u["tokens"] for u in updates)
@@ -70,9 +67,8 @@ def step_metrics(batch, rewards: Tensor, group_size: int, updates: list[dict], t
 
 
 def reduce_metrics(metrics: dict, dist) -> dict:
-    """Average over the ranks that have a value (NaN: none, e.g. no trained token on that rank), max for *_max
-    keys. Keys must match on every rank; per-component reward keys (which depend on each rank's data sources)
-    stay rank 0's own."""
+    """Average over the ranks that have a value (not NaN), max for *_max keys. Per-component reward keys (which
+    depend on each rank's data sources) stay rank 0's own; the others must match on every rank."""
     if dist.world_size == 1:
         return metrics
     keys = sorted(k for k in metrics if not k.startswith("reward/"))
@@ -92,9 +88,8 @@ def reduce_metrics(metrics: dict, dist) -> dict:
 
 
 class NoSignalWatch:
-    """The warnings that catch silent no-learning: every group flat in a step (with no KL term that could still
-    move the policy), and truncation or flat groups above their threshold (trainer.warn_truncation,
-    warn_flat_groups) for trainer.warn_after_steps steps in a row."""
+    """Warns when every group of a step is flat (and no KL term could still move the policy), and when truncation
+    or flat groups stay above trainer.warn_truncation / warn_flat_groups for trainer.warn_after_steps steps."""
 
     def __init__(self, cfg):
         trainer = cfg.trainer
@@ -103,7 +98,6 @@ class NoSignalWatch:
         self.streaks = dict.fromkeys(self.thresholds, 0)
 
     def update(self, metrics: dict, step: int) -> list[str]:
-        """The warnings of step `step` (1-based) given its reduced metrics."""
         warnings = []
         if metrics["flat_group_frac"] == 1.0 and self.kl_coef == 0:
             warnings.append(f"step {step}: zero learning signal -- every group's rewards are identical")

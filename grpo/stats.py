@@ -29,15 +29,12 @@ def t_two_sided(t: float, df: int) -> float:
 
 
 def t_quantile(probability: float, df: int) -> float:
-    """Quantile of Student's t with `df` degrees of freedom (0.5 < probability < 1), by bisection on the
-    closed-form distribution above; beyond df = 2,000 the normal quantile's Cornish-Fisher correction
-    (A&S 26.7.5), which is then exact to 1e-9.
+    """Quantile of Student's t with `df` degrees of freedom (0.5 < probability < 1), by bisection on
+    t_two_sided; beyond df = 2,000 the normal quantile's Cornish-Fisher correction (A&S 26.7.5), exact to 1e-9.
 
     >>> round(t_quantile(0.975, 3), 6), round(t_quantile(0.975, 63), 6), round(t_quantile(0.975, 10**6), 4)
     (3.182446, 1.998341, 1.96)
     """
-    if df < 1 or not 0.5 < probability < 1:
-        raise ValueError(f"t_quantile needs df >= 1 and 0.5 < probability < 1, got df={df}, p={probability}")
     if df > 2000:
         z = NormalDist().inv_cdf(probability)
         return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
@@ -50,8 +47,8 @@ def t_quantile(probability: float, df: int) -> float:
     return (low + high) / 2
 
 
-def mean_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float, float]:
-    """(mean, low, high): the t interval mean +- t_{(1+c)/2, n-1} * s / sqrt(n), s with Bessel's correction.
+def mean_interval(values: Sequence[float]) -> tuple[float, float, float]:
+    """(mean, low, high): the 95% t interval mean +- t_{.975, n-1} * s / sqrt(n), s with Bessel's correction.
     NaN values (a metric a reward does not define) are left out; fewer than 2 values give NaN bounds.
 
     >>> [round(x, 4) for x in mean_interval([1.0, 0.0, 1.0, 1.0])]
@@ -64,15 +61,14 @@ def mean_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[fl
     if len(finite) < 2:
         return mean, math.nan, math.nan
     std = math.sqrt(sum((v - mean) ** 2 for v in finite) / (len(finite) - 1))
-    half = t_quantile((1 + confidence) / 2, len(finite) - 1) * std / math.sqrt(len(finite))
+    half = t_quantile(0.975, len(finite) - 1) * std / math.sqrt(len(finite))
     return mean, mean - half, mean + half
 
 
-def paired_difference(before: Sequence[float], after: Sequence[float],
-                      confidence: float = 0.95) -> tuple[float, float, float]:
+def paired_difference(before: Sequence[float], after: Sequence[float]) -> tuple[float, float, float]:
     """(mean, low, high) of after[i] - before[i] over the prompts both define: the paired t interval, which
     removes the prompt-to-prompt variance two unpaired means would carry."""
     if len(before) != len(after):
         raise ValueError(f"paired_difference needs the same prompts on both sides: {len(before)} vs {len(after)} "
                          f"values")
-    return mean_interval([b - a for a, b in zip(before, after)], confidence)
+    return mean_interval([b - a for a, b in zip(before, after)])
