@@ -15,9 +15,31 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from grpo.checks import check_choice, check_floating, check_groups, check_ndim, check_same_shape
-
 SCALES = ("group", "batch", "none")
+
+
+# Argument checks of the math here and in grpo/losses.py: each raises ValueError naming the argument and its shape.
+
+def check_ndim(tensor: Tensor, name: str, ndim: int) -> None:
+    if tensor.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimension(s), got shape {tuple(tensor.shape)}")
+
+
+def check_same_shape(a: Tensor, a_name: str, b: Tensor, b_name: str) -> None:
+    if tuple(a.shape) != tuple(b.shape):
+        raise ValueError(f"{a_name} has shape {tuple(a.shape)} but {b_name} has shape {tuple(b.shape)}")
+
+
+def check_choice(value: str, name: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(choices)}")
+
+
+def check_groups(num: int, group_size: int) -> None:
+    if group_size < 2:
+        raise ValueError(f"group_size must be at least 2 (a group needs a baseline), got {group_size}")
+    if num % group_size != 0:
+        raise ValueError(f"batch of {num} rewards is not divisible by group_size {group_size}")
 
 
 def _flat_groups(grouped: Tensor) -> Tensor:
@@ -82,7 +104,8 @@ def completion_returns(rewards: Tensor, token_shaping: Tensor, mask: Tensor) -> 
 
 def _check_returns(rewards: Tensor, group_size: int, token_shaping: Tensor | None, mask: Tensor | None) -> None:
     check_ndim(rewards, "rewards", 1)
-    check_floating(rewards, "rewards")
+    if not rewards.is_floating_point():
+        raise ValueError(f"rewards must be a floating-point tensor, got dtype {rewards.dtype}")
     check_groups(rewards.shape[0], group_size)
     if token_shaping is not None:
         check_ndim(token_shaping, "token_shaping", 2)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from grpo.checks import check_choice, check_ndim, check_same_shape
+from grpo.advantages import check_choice, check_ndim, check_same_shape
 from grpo.config import KL_KINDS, AlgorithmConfig
 
 LOG_RATIO_LIMIT = 20.0  # exp(20) ~ 5e8: large enough never to bind on sane data, small enough to stay finite
