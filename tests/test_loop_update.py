@@ -35,7 +35,7 @@ class ConstantPolicy(torch.nn.Module):
         self.lm_head = torch.nn.Linear(1, len(logits), bias=False)
         with torch.no_grad():
             self.lm_head.weight.copy_(torch.tensor(logits)[:, None])
-        self.config = SimpleNamespace()
+        self.config = SimpleNamespace(_attn_implementation="eager")  # read by models.logprobs' pass choice
 
     def get_decoder(self):
         return self.decoder
