@@ -118,18 +118,16 @@ def _check_returns(rewards: Tensor, group_size: int, token_shaping: Tensor | Non
 def group_advantages(rewards: Tensor, group_size: int, *, token_shaping: Tensor | None = None,
                      mask: Tensor | None = None, scale: str = "group", eps: float = 1e-6,
                      batch_std: Tensor | float | None = None) -> Tensor:
-    """Centre each group's returns on its mean and, for GRPO, divide by its std.
+    """Centre each group's returns on its mean and, for GRPO, divide by its std: (G_i(t) - mu_g) / (sigma_g + eps).
 
     rewards: [B] float, the outcome rewards R_i of P consecutive groups of G = group_size completions.
-    token_shaping, mask: [B, T] (both or neither): per-token returns G_i(t) = R_i + token_shaping[i, t], e.g.
-             lambda * r_sent(i, t) from grpo.alignment.sentence_shaping (the sentence-level process reward).
-             The group statistics are then over each completion's masked mean return (completion_returns).
-    scale:   "group" (GRPO), "batch" (group mean, batch std), "none" (Dr. GRPO, mean baseline only).
-    batch_std: for scale="batch", the std to divide by (e.g. moments_std of batch_moments summed over ranks);
-             None: the std of these B values.
-    Returns [B] float without shaping, [B, T] with it (0 on padding): (G_i(t) - mu_g) / (sigma_g + eps).
-    A group whose (mean) returns are all equal is not scaled: its mean is its common value, so equal rewards
-    give exactly 0, and shaping of 0.1 is not divided by 0 + eps into 1e5.
+    token_shaping, mask: [B, T], both or neither: returns G_i(t) = R_i + token_shaping[i, t] (the sentence rewards
+             of grpo.alignment.sentence_shaping), with group statistics over each completion's completion_returns.
+    scale:   "group" (GRPO), "batch" (group mean, batch std: `batch_std`, None: these B values' std), "none"
+             (Dr. GRPO, mean baseline only).
+    Returns [B] float without shaping, [B, T] with it (0 on padding). A group whose (mean) returns are all equal
+    is not scaled and its mean is its common value: equal rewards give exactly 0, and shaping of 0.1 is not
+    divided by 0 + eps into 1e5.
 
     >>> group_advantages(torch.full((8,), 0.7), 8)
     tensor([0., 0., 0., 0., 0., 0., 0., 0.])
@@ -158,10 +156,8 @@ def group_advantages(rewards: Tensor, group_size: int, *, token_shaping: Tensor 
 
 
 def overlong_penalty(lengths: Tensor, max_len: int, cache_len: int, factor: float = 1.0) -> Tensor:
-    """Penalty added to the reward of each completion (Yu et al. 2025, DAPO, eq. 13).
-
-    lengths: [B] completion lengths in tokens (int or float).
-    0 up to max_len - cache_len; then -(len - (max_len - cache_len)) / cache_len * factor, a linear ramp;
+    """DAPO's overlong penalty (Yu et al. 2025, eq. 13) added to each completion's reward, from lengths [B] in
+    tokens: 0 up to max_len - cache_len, then a linear ramp -(len - (max_len - cache_len)) / cache_len * factor,
     -factor at or beyond max_len. Returns [B] float32.
 
     >>> overlong_penalty(torch.tensor([10, 16, 18, 20, 25]), max_len=20, cache_len=4)
@@ -196,8 +192,7 @@ def kl_reward_penalty(kl_values: Tensor, mask: Tensor, coef: float) -> Tensor:
     return -coef * (kl_values.detach() * mask.to(kl_values.dtype)).sum(dim=1)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The registry: one signature for every estimator, one call (compute_advantages) for the loop.
+# --- The registry: one signature for every estimator, one call (compute_advantages) for the loop ---------------
 
 AllReduceSum = Callable[[Tensor], Tensor]
 WHITEN_EPS = 1e-8  # REINFORCE++'s whitening: (x - mean) * rsqrt(var + 1e-8), verl's masked_whiten

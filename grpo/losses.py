@@ -72,10 +72,8 @@ def loss_denominator(mask: Tensor, agg: str) -> Tensor:
     return AGGREGATION[agg].count(mask)
 
 
-def aggregate(
-    values: Tensor, mask: Tensor, agg: str = "token-mean", *, denominator: Tensor | float | None = None,
-    max_len: int | None = None,
-) -> Tensor:
+def aggregate(values: Tensor, mask: Tensor, agg: str = "token-mean", *, denominator: Tensor | float | None = None,
+              max_len: int | None = None) -> Tensor:
     """Reduce per-token values [B, T] to a scalar as AGGREGATION[agg] says, dividing by `denominator` (None: the
     local count of loss_denominator). A count of 0 is taken as 1, so an all-padding batch gives 0, never NaN."""
     check_ndim(values, "values", 2)
@@ -142,17 +140,9 @@ _TOKEN_LOSSES = {"ppo": _ppo_token_loss, "cispo": _cispo_token_loss}  # one per 
 DEFAULT = AlgorithmConfig()
 
 
-def policy_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    algo: AlgorithmConfig = DEFAULT,
-    *,
-    denominator: Tensor | float | None = None,
-    max_len: int | None = None,
-    is_weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                algo: AlgorithmConfig = DEFAULT, *, denominator: Tensor | float | None = None,
+                max_len: int | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """The policy-gradient term (algo.policy_loss per token, times the detached truncated-IS `is_weights`) of
     logprobs and old_logprobs [B, T], advantages [B] or [B, T], mask [B, T], aggregated (algo.agg).
 
@@ -196,19 +186,9 @@ def policy_loss(
     return loss, metrics
 
 
-def rl_loss(
-    algo: AlgorithmConfig,
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    denominator: Tensor | float,
-    max_len: int | None = None,
-    rollout_logprobs: Tensor | None = None,
-    ref_logprobs: Tensor | None = None,
-    entropy: Tensor | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+def rl_loss(algo: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
+            denominator: Tensor | float, max_len: int | None = None, rollout_logprobs: Tensor | None = None,
+            ref_logprobs: Tensor | None = None, entropy: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
     """The whole loss of one micro-batch: policy_loss (with truncated IS weights of old vs the engine's
     rollout_logprobs when algo.tis_cap is set) + kl_coef * aggregated KL to ref_logprobs (unless algo.kl_in_reward)
     - entropy_coef * aggregated entropy, every term over the same `denominator` (the whole optimizer step's count)
@@ -271,10 +251,8 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3") -> Tens
     return (torch.exp(-log_ratio) + log_ratio - 1.0).clamp(max=K3_LIMIT)
 
 
-def truncated_is_weights(
-    old_logprobs: Tensor, rollout_logprobs: Tensor, cap: float = 2.0, level: str = "token",
-    mask: Tensor | None = None,
-) -> Tensor:
+def truncated_is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, cap: float = 2.0, level: str = "token",
+                         mask: Tensor | None = None) -> Tensor:
     """Truncated importance weights [B, T] min(exp(old - rollout), cap), no gradient, for the mismatch between the
     trainer's old logprobs and the engine's of the same sampled tokens. level "sequence": exp of the masked sum of
     log-ratios per sequence (needs `mask` [B, T]), broadcast over its tokens.

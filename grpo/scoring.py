@@ -104,22 +104,17 @@ class Scorer:
     def score(self, texts: Sequence[str], completion_ids: Sequence[Sequence[int]], rows: Sequence[dict]) -> Scores:
         """B completions and their prompt rows, scored: token_shaping[b, t] = sentence_coef * r_sent of the sentence
         holding token t (0 outside sentences)."""
-        width = max((len(ids) for ids in completion_ids), default=0)
-        token_shaping = torch.zeros(len(texts), width)
-        rewards, correct, components = [], [], {}
-        for b, (ids, result) in enumerate(zip(completion_ids, self.results(texts, rows))):
-            rewards.append(result["score"])
-            correct.append(correctness(result, result["score"], self.correct_threshold))
-            for key, value in numeric_components(result).items():
-                components.setdefault(key, [math.nan] * b).append(value)
-            for values in components.values():  # keep every component list aligned with b
-                if len(values) < b + 1:
-                    values.append(math.nan)
-            if result.get("sentences"):
-                sentences = result["sentences"]
+        results = self.results(texts, rows)
+        token_shaping = torch.zeros(len(texts), max((len(ids) for ids in completion_ids), default=0))
+        for b, (ids, result) in enumerate(zip(completion_ids, results)):
+            if sentences := result.get("sentences"):
                 index = token_sentence_index(token_char_spans(self.decode_prefixes(ids)),
                                              [(start, end) for start, end, _ in sentences])
                 token_shaping[b, : len(ids)] = sentence_shaping(index, [r for _, _, r in sentences],
                                                                 self.sentence_coef)
-        return Scores(torch.tensor(rewards, dtype=torch.float32), torch.tensor(correct, dtype=torch.float32),
-                      token_shaping, components)
+        numeric = [numeric_components(result) for result in results]
+        keys = dict.fromkeys(key for values in numeric for key in values)  # in order of first appearance
+        correct = [correctness(result, result["score"], self.correct_threshold) for result in results]
+        return Scores(torch.tensor([result["score"] for result in results], dtype=torch.float32),
+                      torch.tensor(correct, dtype=torch.float32), token_shaping,
+                      {key: [values.get(key, math.nan) for values in numeric] for key in keys})

@@ -66,10 +66,9 @@ def mini_batch_denominators(mask: Tensor, minis: Sequence[Tensor], agg: str) -> 
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """Rows of one forward/backward, and once planned their padded inputs (models.batching.pad_batch: prompts
-    left-padded, completions right-padded to this micro-batch's own width T_mb). weight 0: a pass that only keeps
-    FSDP's collectives paired across ranks (a rank with fewer micro-batches than another repeats a row and trains
-    on nothing)."""
+    """Rows of one forward/backward and their padded inputs (models.batching.pad_batch, completions to this
+    micro-batch's own width T_mb). weight 0: a pass that trains on nothing and only keeps FSDP's collectives
+    paired across ranks (a rank with fewer micro-batches than another repeats a row)."""
     rows: Tensor  # [b] long, ascending
     weight: float = 1.0
     inputs: dict | None = None
@@ -92,13 +91,11 @@ class MiniBatch:
 def micro_batches(minis: Sequence[Tensor], lengths: Sequence[int], *, rows_per_micro_batch: int,
                   max_tokens: int = 0, agree_max: Callable[[Tensor], Tensor] = lambda counts: counts
                   ) -> list[list[MicroBatch]]:
-    """The micro-batches of each mini-batch. lengths: [B] prompt + completion tokens of each row.
-
+    """The micro-batches of each mini-batch, from the prompt + completion tokens of each row (lengths [B]).
     max_tokens 0: runs of `rows_per_micro_batch` rows (the same count on every rank: every rank has the same P
     and G). max_tokens > 0: as few micro-batches of at most max_tokens tokens as micro_batches_by_tokens finds;
     then every rank takes the largest count any rank needs (`agree_max`, the max all-reduce of an [M] tensor),
-    running the extra ones as weight-0 passes.
-    """
+    running the extra ones as weight-0 passes."""
     if max_tokens <= 0:
         return [[MicroBatch(rows[start:start + rows_per_micro_batch])
                  for start in range(0, len(rows), rows_per_micro_batch)] for rows in minis]
@@ -282,8 +279,7 @@ def update(parts, prepared: Prepared, dist, *, step: int, skips: int) -> UpdateR
                     ref_logprobs=micro.take(prepared.ref_logprobs), entropy=entropy)
                 loss.backward()
                 loss_sum += float(loss.detach())
-                record = {key: float(value) for key, value in metrics.items()}
-                record["tokens"] = float(micro.take(prepared.mask).sum()) * micro.weight
+                record = dict(metrics, tokens=float(micro.take(prepared.mask).sum()) * micro.weight)
                 if epoch > 0:  # the engine gap and the entropy describe the rollout: count them once
                     record.pop("logprob_gap", None), record.pop("entropy", None)
                 records.append(record | prepared.metrics)
