@@ -1,6 +1,5 @@
 """From a step's rewards to its advantages: the penalties added to rewards (DAPO's overlong shaping, the KL in the
-reward), DAPO's group filter, and the estimators behind one registry: GRPO, Dr. GRPO and batch std (one function,
-group_advantages, for outcome rewards and token-shaped returns); RLOO and REINFORCE++ for outcome rewards.
+reward), DAPO's group filter, and the estimators behind one registry (GRPO, Dr. GRPO, batch std, RLOO, REINFORCE++).
 
 Conventions: std with Bessel's correction, eps = 1e-6, and a group whose returns are all equal gets exactly 0 --
 zeroed explicitly, because float32 alone gives 0.056 for eight rewards of 0.7. Statistics that span the batch are
@@ -42,11 +41,6 @@ def check_groups(num: int, group_size: int) -> None:
         raise ValueError(f"batch of {num} rewards is not divisible by group_size {group_size}")
 
 
-def _flat_groups(grouped: Tensor) -> Tensor:
-    """[P, G] -> [P, 1] bool: True where every value of the group equals its first one exactly."""
-    return (grouped == grouped[:, :1]).all(dim=1, keepdim=True)
-
-
 def flat_groups(values: Tensor, group_size: int) -> Tensor:
     """Which groups are flat, exactly (no tolerance: the test that zeroes their advantages, DAPO's filter and the
     flat_group_frac metric share). values: [B] per-completion values. Returns [P] bool.
@@ -56,7 +50,8 @@ def flat_groups(values: Tensor, group_size: int) -> Tensor:
     """
     check_ndim(values, "values", 1)
     check_groups(values.shape[0], group_size)
-    return _flat_groups(values.view(-1, group_size)).squeeze(1)
+    grouped = values.view(-1, group_size)
+    return (grouped == grouped[:, :1]).all(dim=1)
 
 
 def keep_groups(metric: Tensor, group_size: int) -> Tensor:
@@ -95,9 +90,8 @@ def moments_std(moments: Tensor) -> Tensor:
 
 
 def completion_returns(rewards: Tensor, token_shaping: Tensor, mask: Tensor) -> Tensor:
-    """Each completion's mean return R_i + masked mean of token_shaping[i] (R_i for an all-padding row): the
-    value whose group statistics group_advantages takes when returns are shaped.
-    rewards: [B]; token_shaping, mask: [B, T]. Returns [B]."""
+    """Each completion's mean return [B], R_i + masked mean of token_shaping[i] [B, T] (R_i for an all-padding
+    row): the value whose group statistics group_advantages takes when returns are shaped."""
     mask = mask.to(token_shaping.dtype)
     return rewards + (token_shaping * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
 
@@ -138,7 +132,7 @@ def group_advantages(rewards: Tensor, group_size: int, *, token_shaping: Tensor 
     if token_shaping is not None:
         means, returns = completion_returns(rewards, token_shaping, mask), rewards[:, None] + token_shaping
     grouped = means.view(-1, group_size)  # [P, G]
-    flat = _flat_groups(grouped)  # [P, 1]
+    flat = flat_groups(means, group_size)[:, None]  # [P, 1]
     # In a flat group take the common value as the baseline (not a float mean of it) so equal returns give 0.
     mu = torch.where(flat, grouped[:, :1], grouped.mean(dim=1, keepdim=True))
     if scale == "group":
@@ -174,12 +168,10 @@ def overlong_penalty(lengths: Tensor, max_len: int, cache_len: int, factor: floa
 
 
 def kl_reward_penalty(kl_values: Tensor, mask: Tensor, coef: float) -> Tensor:
-    """The KL penalty in the reward (verl's algorithm.use_kl_in_reward with a fixed coefficient): each token's
-    reward loses coef * kl_t, and since the advantage is outcome-level (verl's compute_grpo_outcome_advantage sums
-    a sequence's token rewards) the completion's reward changes by -coef * sum_t mask[i, t] * kl_values[i, t].
-
-    kl_values: [B, T] grpo.losses.kl_penalty of the old logprobs against the reference's; mask: [B, T] 0/1.
-    Returns [B] float, <= 0 for non-negative estimators (k2, k3, abs).
+    """The KL penalty in the reward (verl's algorithm.use_kl_in_reward, fixed coefficient): each token's reward
+    loses coef * kl_t, and since the advantage is outcome-level (verl's compute_grpo_outcome_advantage sums a
+    sequence's token rewards) the completion's reward [B] changes by -coef * sum_t mask[i, t] * kl_values[i, t],
+    kl_values [B, T] being grpo.losses.kl_penalty of the old logprobs against the reference's.
 
     >>> kl = torch.tensor([[0.5, 0.25, 9.0], [0.1, 0.0, 0.0]])
     >>> kl_reward_penalty(kl, torch.tensor([[1, 1, 0], [1, 0, 0]]), 0.1)
@@ -210,12 +202,11 @@ ESTIMATORS: dict[str, Estimator] = {}
 
 def register_estimator(name: str, *, token_returns: bool) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
     """Register `fn(rewards, token_shaping, mask, group_size, *, eps, weights, all_reduce_sum) -> [B, T]` as
-    estimator `name` (verl's register_adv_est). Every estimator takes the same arguments, used or not:
-    rewards [B] outcome rewards; token_shaping [B, T] per-token shaping of the return (zero without sentence
-    rewards); mask [B, T] 0/1; eps, the std's; weights [B] 0/1 or None, 0 for filler groups, which must not set a
-    batch statistic; all_reduce_sum, called exactly once by an estimator with batch-wide statistics and never by
-    the others, so every rank issues the same collectives. Returns advantages [B, T], 0 on padding.
-    """
+    estimator `name` (verl's register_adv_est). Every estimator takes the same arguments, used or not: rewards [B];
+    token_shaping [B, T] (zero without sentence rewards); mask [B, T] 0/1; eps, the std's; weights [B] 0/1 or None,
+    0 for filler groups, which must not set a batch statistic; all_reduce_sum, called exactly once by an estimator
+    with batch-wide statistics and never by the others, so every rank issues the same collectives. Returns
+    advantages [B, T], 0 on padding."""
     def decorator(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
         if name in ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered")
@@ -263,11 +254,10 @@ def rloo_advantages(rewards: Tensor, token_shaping: Tensor, mask: Tensor, group_
 @register_estimator("reinforce_pp", token_returns=False)
 def reinforce_pp_advantages(rewards: Tensor, token_shaping: Tensor, mask: Tensor, group_size: int, *, eps: float,
                             weights: Tensor | None, all_reduce_sum: AllReduceSum) -> Tensor:
-    """REINFORCE++ (Hu et al. 2025, arXiv 2501.03262) with outcome rewards, as verl's
-    compute_reinforce_plus_plus_outcome_advantage: the return is R_i on every real token (gamma = 1), whitened over
-    the real tokens of every rank's batch (fillers left out), (x - mean) * rsqrt(var + 1e-8) with Bessel's
-    variance. A longer completion weighs more in the mean, as in verl. The float64 sums of float32 rewards are
-    exact, so a batch of equal rewards gets exactly 0."""
+    """REINFORCE++ (Hu et al. 2025, arXiv 2501.03262) as verl's compute_reinforce_plus_plus_outcome_advantage:
+    the return R_i on every real token (gamma = 1), whitened over the real tokens of every rank's batch (fillers
+    left out), (x - mean) * rsqrt(var + 1e-8), Bessel's variance; a longer completion weighs more, as in verl.
+    The float64 sums of float32 rewards are exact, so a batch of equal rewards gets exactly 0."""
     real = mask.to(torch.float64)
     if weights is not None:
         real = real * (weights.detach() != 0).to(torch.float64)[:, None]

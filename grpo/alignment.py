@@ -1,9 +1,7 @@
-"""Token-to-sentence alignment: map sentence-level rewards (character spans) onto completion tokens.
-
-A token belongs to the sentence whose character span contains the token's midpoint. Token spans come
-from incremental decoding (the text of ids[:k+1] minus the text of ids[:k]): unlike decoding tokens one
-at a time, this tiles the decoded text exactly for every tokenizer (SentencePiece drops the leading-space
-marker of a lone token, byte-level BPE splits characters across tokens).
+"""Token-to-sentence alignment: map sentence-level rewards (character spans) onto completion tokens, each token to
+the sentence that contains its midpoint. Token spans come from incremental decoding (the text of ids[:k+1] minus
+that of ids[:k]), which tiles the decoded text exactly for every tokenizer, unlike decoding tokens one at a time
+(SentencePiece drops a lone token's leading-space marker, byte-level BPE splits characters across tokens).
 """
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Held-out evaluation, the one path for the trainer's scores and `launch.eval`: greedy completions (batches of
-similar prompt lengths), each scored by grpo.scoring exactly as training scores it, per-prompt values kept so
-that a table can give each mean its 95% interval and two models their paired difference (grpo/stats.py).
+"""Held-out evaluation, the one path for the trainer's scores and `launch.eval`: greedy completions scored as
+training scores them, per-prompt values kept so that each mean gets its 95% interval (grpo/stats.py).
 """
 from __future__ import annotations
 

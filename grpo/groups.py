@@ -85,9 +85,8 @@ class Batch:
                 components.setdefault(key, []).extend(values)
         return cls(completions=[c for g in groups for c in g.completions], rows=[r for g in groups for r in g.rows],
                    rewards=torch.cat([g.rewards for g in groups]), correct=torch.cat([g.correct for g in groups]),
-                   lengths=lengths, loss_weight=loss_weight, mask=mask,
-                   token_shaping=token_shaping, components=components,
-                   rounds=rounds, generated_groups=generated)
+                   lengths=lengths, loss_weight=loss_weight, mask=mask, token_shaping=token_shaping,
+                   components=components, rounds=rounds, generated_groups=generated)
 
 
 class Rollout(Protocol):
@@ -115,8 +114,7 @@ class LocalRollout:
                                      shuffle=cfg.data.shuffle) if rows else None
 
     def collect(self, step: int) -> Batch:
-        """This rank's P prompts x G completions of step `step`, scored; the engine's memory is then freed for the
-        update (vLLM on GPUs sleeps; a no-op elsewhere)."""
+        """This rank's P prompts x G completions of step `step`, scored; then the engine sleeps for the update."""
         shares = self.collect_shares(stream_seed(self.cfg.seed, step, self.dist.dp_rank), self.dist.tp_size)
         batch = shares[self.dist.tp_rank]
         batch.policy_version = step
@@ -141,15 +139,12 @@ class LocalRollout:
         return groups
 
     def collect_shares(self, seed: int, shares: int) -> list[Batch]:
-        """Generate and score until `shares` batches of P = trainer.prompts_per_step groups are full. shares: the
-        ranks of a tensor-parallel replica (each runs this with the same sampler state and seed, as vLLM needs)
-        or the trainers an engine rank of a separate placement serves.
-
-        With dynamic sampling (DAPO) only groups whose correctness varies are kept, generating more until the
-        batches are full; short after algorithm.max_gen_batches rounds, they are filled with dropped groups of
-        loss weight 0, so every rank runs as many micro-batches (FSDP needs it). Round r > 0 generates with
-        stream_seed(seed, r): no round, step or replica reuses another's stream.
-        """
+        """Generate and score until `shares` batches of P = trainer.prompts_per_step groups are full, for the ranks
+        of a tensor-parallel replica (each runs this with the same sampler state and seed, as vLLM needs) or the
+        trainers an engine rank of a separate placement serves. With dynamic sampling (DAPO) only groups whose
+        correctness varies are kept; batches still short after algorithm.max_gen_batches rounds are filled with
+        dropped groups of loss weight 0, so every rank runs as many micro-batches (FSDP needs it). Round r > 0
+        generates with stream_seed(seed, r): no round, step or replica reuses another's stream."""
         algo, num_prompts = self.cfg.algorithm, self.cfg.trainer.prompts_per_step
         wanted, kept, dropped, rounds = shares * num_prompts, [], [], 0
         while len(kept) < wanted and rounds < (algo.max_gen_batches if algo.dynamic_sampling else 1):

@@ -32,16 +32,11 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class Aggregation:
-    """How per-token values [B, T] become one number: numerator(masked values, mask) / (count * max_len if
-    per_max_len else count), count the local `count(mask)` or one given from outside. One entry per mode, so
-    loss_denominator and aggregate cannot disagree about what a mode divides by."""
+    """How per-token values [B, T] become one number: numerator / (count * max_len if per_max_len else count).
+    One entry per mode, so loss_denominator and aggregate cannot disagree about what a mode divides by."""
     numerator: Callable[[Tensor, Tensor], Tensor]  # (values * mask [B, T], mask [B, T]) -> 0-dim
     count: Callable[[Tensor], Tensor]  # mask [B, T] -> 0-dim float: tokens or sequences with a token
     per_max_len: bool = False  # Dr. GRPO: the count is also multiplied by the constant max_len
-
-
-def _tokens(mask: Tensor) -> Tensor:
-    return mask.float().sum()
 
 
 def _sequences(mask: Tensor) -> Tensor:
@@ -50,7 +45,7 @@ def _sequences(mask: Tensor) -> Tensor:
 
 AGGREGATION: dict[str, Aggregation] = {
     # DAPO (Yu et al. 2025): every token of the step weighs the same.
-    "token-mean": Aggregation(numerator=lambda masked, mask: masked.sum(), count=_tokens),
+    "token-mean": Aggregation(numerator=lambda masked, mask: masked.sum(), count=lambda mask: mask.float().sum()),
     # Original GRPO (Shao et al. 2024): each sequence's token mean, then the mean over sequences.
     "seq-mean-token-mean": Aggregation(
         numerator=lambda masked, mask: (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum(), count=_sequences),
@@ -61,9 +56,8 @@ AGGREGATION: dict[str, Aggregation] = {
 
 
 def loss_denominator(mask: Tensor, agg: str) -> Tensor:
-    """The local count [B, T] mask -> 0-dim float an aggregation divides by: masked tokens ("token-mean") or
-    sequences with a masked token ("seq-mean-*"). Summed over micro-batches and ranks, it is aggregate's
-    `denominator` for a whole step.
+    """The local count an aggregation divides by: masked tokens ("token-mean") or sequences with a masked token
+    ("seq-mean-*"). Summed over micro-batches and ranks, it is aggregate's `denominator` for a whole step.
 
     >>> loss_denominator(torch.tensor([[1, 1, 0], [0, 0, 0]]), "seq-mean-token-mean")
     tensor(1.)
@@ -98,9 +92,6 @@ def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> 
     >>> sequence_log_ratio(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.5]]), torch.ones(1, 2))
     tensor([[0., 0.]])
     """
-    check_ndim(logprobs, "logprobs", 2)
-    check_same_shape(old_logprobs, "old_logprobs", logprobs, "logprobs")
-    check_same_shape(mask, "mask", logprobs, "logprobs")
     mask = mask.to(logprobs.dtype)
     lengths = mask.sum(dim=1, keepdim=True).clamp(min=1)
     per_sequence = ((logprobs - old_logprobs) * mask).sum(dim=1, keepdim=True) / lengths
@@ -149,18 +140,16 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     rho = exp(logprobs - old_logprobs), the log-ratio clamped to +-20. ratio_level "sequence" is GSPO: rho is
     s_i (sequence_log_ratio) on every token of sequence i, so a whole sequence is clipped or not; its clip ranges
     are small (the GSPO paper: 3e-4 / 4e-4), since a mean of log-ratios moves far less than one token's.
-    Returns (loss, detached 0-dim metrics): clip_frac_upper / _lower / _dual (fractions of masked tokens where
-    that bound binds), approx_kl (k3 of old vs new), ratio_mean, ratio_max.
+    Returns (loss, detached metrics): clip_frac_* (where each bound binds), approx_kl, ratio_mean, ratio_max.
     """
     check_ndim(logprobs, "logprobs", 2)
     check_same_shape(old_logprobs, "old_logprobs", logprobs, "logprobs")
     check_same_shape(mask, "mask", logprobs, "logprobs")
+    if advantages.shape not in (logprobs.shape[:1], logprobs.shape):  # [B] (one per sequence) or [B, T]
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)} but logprobs has shape "
+                         f"{tuple(logprobs.shape)}")
     if advantages.ndim == 1:
-        if advantages.shape[0] != logprobs.shape[0]:
-            raise ValueError(f"advantages has shape {tuple(advantages.shape)} but logprobs has {tuple(logprobs.shape)}")
         advantages = advantages[:, None]
-    else:
-        check_same_shape(advantages, "advantages", logprobs, "logprobs")
     token_log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     log_ratio = token_log_ratio
     if algo.ratio_level == "sequence":
@@ -194,8 +183,7 @@ def rl_loss(algo: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, advan
     - entropy_coef * aggregated entropy, every term over the same `denominator` (the whole optimizer step's count)
     and max_len (Dr. GRPO's constant length). Tensors are [b, T] (advantages [b] or [b, T]), moved to logprobs'
     device. Returns (loss with gradient, metrics as floats): policy_loss's, plus kl, entropy and logprob_gap
-    (masked mean |old - rollout|) where their input is given, tis_weight_mean and tis_clip_frac when IS is on.
-    """
+    (masked mean |old - rollout|) where their input is given, tis_weight_mean and tis_clip_frac when IS is on."""
     device = logprobs.device
     old_logprobs, advantages, mask = (t.to(device) for t in (old_logprobs, advantages, mask))
     if rollout_logprobs is not None:
@@ -232,12 +220,9 @@ def rl_loss(algo: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, advan
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3") -> Tensor:
-    """Per-token estimate of KL(policy || reference) from sampled tokens (Schulman's k1/k2/k3).
-
-    logprobs, ref_logprobs: [B, T] float. With d = logprobs - ref_logprobs clamped to +-20:
-    k1 = d, abs = |d|, k2 = d^2 / 2, k3 = exp(-d) + d - 1 clamped to <= 10 (unbiased and always >= 0).
-    Returns [B, T] float (aggregate it with the same `aggregate` as the policy loss).
-    """
+    """Per-token estimate [B, T] of KL(policy || reference) from sampled tokens (Schulman's k1/k2/k3): with
+    d = logprobs - ref_logprobs clamped to +-20, k1 = d, abs = |d|, k2 = d^2 / 2, k3 = exp(-d) + d - 1 clamped to
+    <= 10 (unbiased and always >= 0)."""
     check_ndim(logprobs, "logprobs", 2)
     check_same_shape(ref_logprobs, "ref_logprobs", logprobs, "logprobs")
     check_choice(kind, "kind", KL_KINDS)

@@ -1,8 +1,6 @@
 """Score completions with the reward registry: the one place a completion becomes a reward, a 0/1 correctness,
-a format success and per-token sentence shaping, for training and for held-out evaluation alike.
-
-A reward function that fails raises here with the row named: it never becomes a 0 that looks like a
-judgement (docs/conventions.md, "No silent no-learning").
+a format success and per-token sentence shaping, for training and held-out evaluation alike. A reward function
+that fails raises with the row named: it never becomes a 0 that looks like a judgement (docs/conventions.md).
 """
 from __future__ import annotations
 
@@ -19,11 +17,7 @@ CORRECTNESS_KEYS = ("acc", "correct", "answer")  # first component found is the 
 
 
 def correctness(result: dict, score: float, threshold: float) -> float:
-    """1.0 when the first of CORRECTNESS_KEYS in `result` (else the score) is at least `threshold`, else 0.0.
-
-    >>> correctness({"score": 0.1, "answer": 1.0}, 0.1, 0.5), correctness({"score": 0.7}, 0.7, 0.5)
-    (1.0, 1.0)
-    """
+    """1.0 when the first of CORRECTNESS_KEYS in `result` (else the score) is at least `threshold`, else 0.0."""
     for key in CORRECTNESS_KEYS:
         if key in result:
             return float(float(result[key]) >= threshold)
@@ -38,11 +32,7 @@ def numeric_components(result: dict) -> dict[str, float]:
 
 def format_success(result: dict) -> float:
     """The one definition of format success: 1.0 when the reward's `format` component is 1 (every block the
-    protocol asks for is there), 0.0 below, NaN when the reward has no format component (rates skip NaN).
-
-    >>> format_success({"format": 1.0}), format_success({"format": 0.5}), format_success({"score": 1.0})
-    (1.0, 0.0, nan)
-    """
+    protocol asks for is there), 0.0 below, NaN when the reward has no format component (rates skip NaN)."""
     value = result.get("format")
     return math.nan if value is None else float(float(value) >= 1.0)
 
@@ -91,8 +81,7 @@ class Scorer:
         return self._checked(outcome, row, position)
 
     def results(self, texts: Sequence[str], rows: Sequence[dict]) -> list[dict]:
-        """result() for each completion; all at once through compute_scores when given. A failure raises for the
-        first failed completion."""
+        """result() for each completion, all at once through compute_scores when given; the first failure raises."""
         if self.compute_scores is None:
             return [self.result(row, text, b) for b, (text, row) in enumerate(zip(texts, rows))]
         outcomes = self.compute_scores([self._call(row, text) for text, row in zip(texts, rows)])

@@ -71,9 +71,8 @@ def _expire(what: Callable[[], str], limit: str) -> None:
 @contextmanager
 def deadline(seconds: float, limit: str, what: Callable[[], str]):
     """Work that can stall where no exception reaches it (a weight sync blocked inside a C call): past `seconds` a
-    timer thread prints what() stalled, named by `limit` (e.g. "rollout.sync_timeout_s=60 s"), and the stack of
-    every thread, and ends the process with EXIT_STALLED; under torchrun the other ranks then fail at their next
-    collective."""
+    timer prints what() stalled, `limit` (e.g. "rollout.sync_timeout_s=60 s") and every thread's stack, and ends
+    the process with EXIT_STALLED; under torchrun the other ranks then fail at their next collective."""
     timer = threading.Timer(seconds, _expire, args=(what, limit))
     timer.daemon = True
     timer.start()
@@ -96,8 +95,7 @@ class Log(Protocol):
 
 
 class Checkpoints(Protocol):
-    """The run's progress (launch.checkpointing.Checkpointer): where it starts, and at the end of every step the
-    periodic checkpoints and stop requests agreed over ranks (end_step: True when the loop must stop now)."""
+    """launch.checkpointing.Checkpointer: the start step; end_step checkpoints when due, True on a stop request."""
     start_step: int
 
     def end_step(self, done: int) -> bool: ...
@@ -137,9 +135,8 @@ def held_out_due(done: int, start: int, trainer: TrainerConfig) -> bool:
 
 
 def held_out(parts: Parts, done: int, start: int, results: dict, *, sync: bool = False) -> dict:
-    """Score the held-out rows with the weights after `done` steps when the schedule asks for it, keeping the
-    result as results["before"] (done == start) or ["after"]; sync: push the weights into the engine first
-    (SFT). Returns the point of the held-out curve to log (eval/* metrics), {} without one."""
+    """Score the held-out rows after `done` steps when held_out_due, into results["before"] (done == start) or
+    ["after"]; sync: push the weights into the engine first (SFT). Returns the curve's point to log, or {}."""
     if parts.rollout is None or not held_out_due(done, start, parts.cfg.trainer):
         return {}
     with phase("held-out evaluation", done):

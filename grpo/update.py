@@ -1,8 +1,5 @@
-"""From a rollout batch to optimizer steps, the second and third phases of an RL step: prepare plans the update
-(mini-batches of whole groups, one optimizer step each, made of micro-batches, one forward/backward each) and
-computes what it trains on; update runs ppo_epochs passes over the mini-batches. Every mini-batch's loss
-denominator counts all its micro-batches on all ranks, so neither the split nor the world size changes a gradient.
-
+"""From a rollout batch to optimizer steps: prepare plans the update (mini-batches of whole groups, one optimizer
+step each, made of micro-batches, one forward/backward each) and computes what it trains on; update trains.
 Shapes: P prompts, G per prompt, B = P * G rows (a prompt's G consecutive), T completion tokens.
 """
 from __future__ import annotations
@@ -91,11 +88,10 @@ class MiniBatch:
 def micro_batches(minis: Sequence[Tensor], lengths: Sequence[int], *, rows_per_micro_batch: int,
                   max_tokens: int = 0, agree_max: Callable[[Tensor], Tensor] = lambda counts: counts
                   ) -> list[list[MicroBatch]]:
-    """The micro-batches of each mini-batch, from the prompt + completion tokens of each row (lengths [B]).
-    max_tokens 0: runs of `rows_per_micro_batch` rows (the same count on every rank: every rank has the same P
-    and G). max_tokens > 0: as few micro-batches of at most max_tokens tokens as micro_batches_by_tokens finds;
-    then every rank takes the largest count any rank needs (`agree_max`, the max all-reduce of an [M] tensor),
-    running the extra ones as weight-0 passes."""
+    """The micro-batches of each mini-batch: runs of `rows_per_micro_batch` rows (the same count on every rank),
+    or with max_tokens > 0 as few micro-batches of at most max_tokens prompt + completion tokens (lengths [B]) as
+    micro_batches_by_tokens finds, every rank then taking the largest count any rank needs (`agree_max`, the max
+    all-reduce of an [M] tensor) and running the extra ones as weight-0 passes."""
     if max_tokens <= 0:
         return [[MicroBatch(rows[start:start + rows_per_micro_batch])
                  for start in range(0, len(rows), rows_per_micro_batch)] for rows in minis]
@@ -119,9 +115,8 @@ def micro_batches(minis: Sequence[Tensor], lengths: Sequence[int], *, rows_per_m
 def plan_update(completions: Sequence, mask: Tensor, cfg: Config, world_size: int, pad_id: int, *,
                 all_reduce_sum: Callable[[Tensor], Tensor] = lambda t: t,
                 all_reduce_max: Callable[[Tensor], Tensor] = lambda t: t) -> list[MiniBatch]:
-    """The update's plan for one rollout: mini-batches (algorithm.ppo_mini_batch_size counts prompts over all
-    `world_size` ranks, as in verl) of micro-batches with their padded inputs (every rank runs as many, since
-    FSDP's collectives pair up across ranks), each with its denominator summed over ranks."""
+    """The update's plan: mini-batches (algorithm.ppo_mini_batch_size counts prompts over all ranks, as in verl) of
+    micro-batches with their padded inputs, each mini-batch with its denominator summed over ranks."""
     mini = cfg.algorithm.ppo_mini_batch_size
     minis = mini_batches(cfg.trainer.prompts_per_step, cfg.rollout.n, None if mini is None else mini // world_size)
     plan = micro_batches(minis, [len(c.prompt_ids) + len(c.completion_ids) for c in completions],
@@ -226,10 +221,9 @@ def prepare(parts, batch: Batch, dist) -> Prepared:
 # --- update: the optimizer steps --------------------------------------------------------------------------------
 
 def optimizer_step(policy, cfg: Config, dist, log, *, step: int, loss: float, skips: int) -> tuple[float, int]:
-    """Clip to optim.grad_clip (0: no clipping), then take the optimizer step, or skip it when this rank's `loss`
-    or the norm is not finite on some rank (every rank takes the same decision), and zero the gradients. Returns
-    (grad norm before clipping, consecutive skips); raises after trainer.max_consecutive_skips in a row, before
-    any checkpoint of such weights."""
+    """Clip to optim.grad_clip (0: none), then step, or skip when `loss` or the norm is not finite on some rank
+    (every rank decides alike), and zero the gradients. Returns (grad norm before clipping, consecutive skips);
+    raises after trainer.max_consecutive_skips in a row, before any checkpoint of such weights."""
     norm = torch.nn.utils.clip_grad_norm_(policy.model.parameters(), cfg.optim.grad_clip or float("inf"))
     # Under FSDP2 the norm of the sharded gradients is a DTensor whose full value is the global norm.
     grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
