@@ -1,7 +1,7 @@
 """Training rows in the verl layout, and reading/writing them as JSONL or Parquet with the same columns.
 
 A row: `{"prompt": [{"role", "content"}, ...], "data_source": str, "ability": str,
-"reward_model": {"ground_truth": str}, "extra_info": {"index": int, "split": str, ...}}`;
+"reward_model": {"ground_truth": any JSON}, "extra_info": {"index": int, "split": str, ...}}`;
 an SFT target lives at `extra_info["target"]`. Rows from a user's verl Parquet files load unchanged:
 only `prompt`, `data_source` and `reward_model.ground_truth` are required, other columns are kept as they are.
 """
@@ -55,9 +55,8 @@ def validate_row(row: Any, where: str) -> None:
     if not isinstance(reward_model, dict):
         raise ValueError(f"{where}: field 'reward_model' must be an object with 'ground_truth', "
                          f"got {describe(reward_model)}")
-    if not isinstance(reward_model.get("ground_truth"), str):
-        raise ValueError(f"{where}: field 'reward_model.ground_truth' must be a string (JSON text or plain), "
-                         f"got {describe(reward_model.get('ground_truth'))}")
+    if reward_model.get("ground_truth") is None:  # any other JSON value, as in verl
+        raise ValueError(f"{where}: field 'reward_model.ground_truth' is missing or null")
     extra_info = row.get("extra_info")
     if extra_info is None:
         return
@@ -81,6 +80,11 @@ def _format_of(path: Path) -> str:
 
 def read_rows(path: str | Path) -> list[dict]:
     """All rows of a `.jsonl` or `.parquet` file, each validated; errors name the file and line (or row)."""
+    return [row for _, row in numbered_rows(path)]
+
+
+def numbered_rows(path: str | Path) -> list[tuple[str, dict]]:
+    """read_rows with each row's place, "file:line" (JSONL) or "file row N" (Parquet), for later messages."""
     path = Path(path)
     if _format_of(path) == "jsonl":
         numbered = [(f"{path}:{line_number}", row) for line_number, row in iter_jsonl(path)]
@@ -95,7 +99,7 @@ def read_rows(path: str | Path) -> list[dict]:
         numbered = [(f"{path} row {number}", row) for number, row in enumerate(rows, start=1)]
     for where, row in numbered:
         validate_row(row, where)
-    return [row for _, row in numbered]
+    return numbered
 
 
 def write_rows(rows: list[dict], path: str | Path) -> None:

@@ -152,7 +152,9 @@ class DataConfig(Section):
     shuffle: bool = True
     """Shuffle training rows every epoch (seeded)."""
     max_prompt_tokens: int = bounded(1024, 1)
-    """Prompts longer than this fail at start-up, naming the row."""
+    """Prompts longer than this fail at start-up, naming the row (or are dropped: filter_overlong_prompts)."""
+    filter_overlong_prompts: bool = False
+    """Drop rows whose prompt is longer than max_prompt_tokens, and say how many (verl's option), instead."""
 
 
 @dataclass(frozen=True)

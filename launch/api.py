@@ -41,15 +41,16 @@ def train(config: str | os.PathLike | Mapping | None = None, *, overrides: Seque
     """
     cfg = load_config(config if isinstance(config, Mapping) else (None if config is None else str(config)),
                       list(overrides))
-    if rewards is not None:
-        functions = dict(rewards) if isinstance(rewards, Mapping) else {
-            source: rewards for source in _data_sources(cfg, train_rows, eval_rows)}
-        for data_source, function in functions.items():
-            registry.register(data_source, function, overwrite=True)
     dist = init_distributed(cfg)
     try:
-        summary = run(cfg, dist, rows=None if train_rows is None else list(train_rows),
-                      eval_rows=None if eval_rows is None else list(eval_rows))
+        with registry.scoped_registry():  # the registry is as before once the run ends
+            if rewards is not None:
+                functions = dict(rewards) if isinstance(rewards, Mapping) else {
+                    source: rewards for source in _data_sources(cfg, train_rows, eval_rows)}
+                for data_source, function in functions.items():
+                    registry.register(data_source, function, overwrite=True)
+            summary = run(cfg, dist, rows=None if train_rows is None else list(train_rows),
+                          eval_rows=None if eval_rows is None else list(eval_rows))
     finally:
         shutdown(dist)
     return {key: summary.get(key, {}) for key in ("run_dir", "before", "after")}

@@ -75,10 +75,24 @@ def build_engine(cfg: Config, target: Target, model_dir: Path, tokenizer, *, dev
     return HFEngine(model.eval().requires_grad_(False), tokenizer, shared=False, num_threads=cfg.rollout.num_threads)
 
 
-def _scorer(cfg: Config, dist: DistInfo, prepared: Prepared) -> tuple[Scorer, object | None]:
-    """The one Scorer of the run (training and held-out alike) and its reward worker pool, if any."""
+def build_scorer(cfg: Config, dist: DistInfo, prepared: Prepared) -> tuple[Scorer, object | None]:
+    """The one Scorer of the run (training and held-out alike) and its reward worker pool, if any; each data
+    source's reward is first called on its first row with an empty completion, so a wrong signature, an error or
+    a result that is not a finite number or a dict with a finite "score" ends the start-up, before the model
+    loads, in one line naming the reward, the row and what it returned."""
     compute_score, compute_scores, pool = reward_functions(cfg.reward, prepared.rows + prepared.eval_rows,
                                                            device=str(dist.device))
+    first = {}
+    for where, row in zip(prepared.places, prepared.rows + prepared.eval_rows):
+        first.setdefault(row["data_source"], (where, row))
+    for source, (where, row) in first.items():
+        try:
+            compute_score(source, "", row["reward_model"]["ground_truth"], row.get("extra_info"))
+        except Exception as error:
+            if pool is not None:
+                pool.close()
+            raise ConfigError(f"reward {source!r} on {where} with an empty completion: {type(error).__name__}: "
+                              f"{error}") from None
     return Scorer(compute_score, prefix_decoder(prepared.tokenizer), sentence_coef=cfg.reward.sentence_coef,
                   correct_threshold=cfg.reward.correct_threshold, compute_scores=compute_scores), pool
 
@@ -151,7 +165,7 @@ def build(cfg: Config, dist: DistInfo, *, resume: bool = False, stop_requested: 
     run_dir = Path(cfg.trainer.out_dir) / cfg.trainer.run_name
     torch.manual_seed(cfg.seed)
     # The one scorer, where completions are generated (a trainer of a separate placement scores nothing).
-    scorer, pool = _scorer(cfg, dist, prepared) if dist.role != "trainer" else (None, None)
+    scorer, pool = build_scorer(cfg, dist, prepared) if dist.role != "trainer" else (None, None)
     try:
         if dist.role == "rollout":  # an engine rank of a separate placement: it only generates and scores
             engine = build_engine(cfg, Target.here(1), resolve_model_dir(prepared.source), prepared.tokenizer,
@@ -232,9 +246,10 @@ def _training(cfg: Config, dist: DistInfo, prepared: Prepared, run_dir: Path, sc
 
 
 def held_out_summary(result: dict) -> dict:
-    """A held-out result for eval.json and the caller: count, means with 95% intervals, per-prompt values (the
-    records, this rank's completions, stay out; NaN as null)."""
-    return jsonable({key: result[key] for key in ("count", "means", "values")})
+    """A held-out result for eval.json and the caller: count, means {metric: {mean, low, high}} (the 95% interval),
+    per-prompt values (the records, this rank's completions, stay out; NaN as null)."""
+    means = {name: dict(zip(("mean", "low", "high"), interval)) for name, interval in result["means"].items()}
+    return jsonable({"count": result["count"], "means": means, "values": result["values"]})
 
 
 def _finish_training(run: Run, result: dict, stop_signal: int) -> dict:

@@ -49,7 +49,7 @@ def table(rows: list[tuple[str, dict, str | None, dict | None]]) -> str:
              "| model | " + " | ".join(label for _, label in metrics) + " | change in reward | change in accuracy |",
              "|---|" + "---|" * (len(metrics) + 2)]
     for name, result, start, start_result in rows:
-        cells = ["{:.3f} [{:.3f}, {:.3f}]".format(*result["means"][key]) for key, _ in metrics]  # mean [interval]
+        cells = ["{mean:.3f} [{low:.3f}, {high:.3f}]".format(**result["means"][key]) for key, _ in metrics]
         changes = ["-", "-"] if start_result is None else [
             f"{_difference(start_result, result, key)} vs {start}" for key in ("reward", "acc")]
         lines.append(f"| {name} | " + " | ".join(cells + changes) + " |")

@@ -72,9 +72,10 @@ def read_evaluations(directory: Path, name: str) -> dict[str, dict[str, dict]]:
             raise ValueError(f"{path}: expected an object with 'before' and 'after'")
         for moment in ("before", "after"):
             means = held_out.get(moment, {}).get("means") if isinstance(held_out.get(moment), dict) else None
-            if isinstance(means, dict) and means:  # {metric: [mean, low, high]} (launch.train)
+            if isinstance(means, dict) and means:  # {metric: {mean, low, high}} (launch.train)
                 evaluations[f"{name} {moment}"] = {"held-out (trainer)": {
-                    metric: _number(interval[0]) for metric, interval in means.items() if isinstance(interval, list)}}
+                    metric: _number(interval.get("mean")) for metric, interval in means.items()
+                    if isinstance(interval, dict)}}
     return evaluations
 
 
@@ -124,8 +125,11 @@ def evaluation_bars(evaluations: dict[str, dict[str, dict]], path: Path) -> list
         return []
     figure, axes = _grid(len(sources), 5.0, 3.6)
     for axis, source in zip(axes, sources):
-        labels = HEADLINE.get(source, (("reward_mean", "reward"),))
         models = [name for name, metrics in evaluations.items() if source in metrics]
+        # A metric no model has (a custom reward without a format component) gets no bar.
+        labels = [(key, label) for key, label in HEADLINE.get(source, (("reward_mean", "reward"),))
+                  if any(math.isfinite(_number(evaluations[name][source].get(key))) for name in models)] or [
+                  ("reward_mean", "reward")]
         width = 0.8 / len(models)
         for position, name in enumerate(models):
             values = [_number(evaluations[name][source].get(key)) for key, _ in labels]

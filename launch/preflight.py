@@ -15,7 +15,7 @@ import torch
 import yaml
 
 import rewards
-from data.rows import read_rows, validate_row
+from data.rows import numbered_rows, validate_row
 from grpo.config import Config, ConfigError, resume_differences, startup_warnings
 from launch.plan import Target, check_plan
 from models import load_tokenizer, render_prompt, resolve_model_dir
@@ -24,6 +24,20 @@ from rewards.corpus import check_index
 from rollout.vllm_engine import check_vllm_version
 
 NEEDED_TORCH = (2, 8)  # FSDP2's set_gradient_divide_factor and set_force_sum_reduction_for_comms
+# The command that makes each input the shipped recipes name (first match by path), for a missing file's message.
+MAKERS = (("runs/demo/", "make demo"),
+          ("data_out/scifact/", "python -m data.scifact --input SCIFACT_DIR --out data_out/scifact"),
+          ("data_out/verifier/sft", "python -m launch.distill --teacher MODEL --input judgments.jsonl --out {path}"),
+          ("data_out/verifier/", "python -m data.verifier --input judgments.jsonl --out {path}"),
+          ("data_out/factqa/", "python -m data.factqa convert --input QA_FILE --out {path}"),
+          ("runs/verifier_sft/", "python -m launch.train --config launch/configs/verifier_sft.yaml"),
+          ("runs/veriseek_sft/", "python -m launch.train --config launch/configs/veriseek_sft.yaml"))
+
+
+def _not_found(key: str, what: str, path: str) -> ConfigError:
+    """`key: <what> not found: <path>`, with the command that makes it when a shipped recipe names it."""
+    makers = [command.format(path=path) for prefix, command in MAKERS if prefix in Path(path).as_posix()]
+    return ConfigError(f"{key}: {what} not found: {path}" + (f" (made by: {makers[0]})" if makers else ""))
 
 
 def check_versions(cfg: Config, torch_version: str | None = None, vllm_version: str | None = None) -> None:
@@ -71,77 +85,90 @@ def _check_environment(cfg: Config) -> None:
         raise ConfigError(f"trainer.wandb_project={cfg.trainer.wandb_project} needs Weights & Biases: pip install "
                           f"wandb (or set trainer.wandb_project=null)")
     if cfg.init_from is not None and not Path(cfg.init_from).is_dir():
-        raise ConfigError(f"init_from: checkpoint directory not found: {cfg.init_from}")
+        raise _not_found("init_from", "checkpoint directory", cfg.init_from)
 
 
-def _read_rows(files: list[str], key: str) -> list[dict]:
+def _read_rows(files: list[str], key: str) -> list[tuple[str, dict]]:
+    """(where, row) of every row of `files`: where is "file:line" (or "file row N"), for later messages."""
     rows = []
     for path in files:
         if not Path(path).is_file():
-            raise ConfigError(f"{key}: file not found: {path}")
+            raise _not_found(key, "file", path)
         try:
-            rows.extend(read_rows(path))
+            rows.extend(numbered_rows(path))
         except (OSError, ValueError) as error:
             raise ConfigError(f"{key}: {error}") from None
     return rows
 
 
-def check_config(cfg: Config, dist, *, rows: list[dict] | None = None,
-                 eval_rows: list[dict] | None = None) -> tuple[list[dict], list[dict]]:
+def _in_memory(rows: list, name: str) -> list[tuple[str, dict]]:
+    """(where, row) of rows given in memory, each validated and named `name[i]`."""
+    placed = [(f"{name}[{index}]", row) for index, row in enumerate(rows)]
+    for where, row in placed:
+        try:
+            validate_row(row, where)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    return placed
+
+
+def check_config(cfg: Config, dist, *, rows: list[dict] | None = None, eval_rows: list[dict] | None = None
+                 ) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
     """Checks that need no tokenizer or model: settings (for this machine at this world size), versions, files,
     rows, reward names. rows / eval_rows given in memory (launch.api.train) take the place of data.train_files /
-    data.eval_files. Returns (train rows, eval rows)."""
+    data.eval_files. Returns the train and eval rows as (where, row)."""
     whole = len(dist.links.trainer_ranks) + len(dist.links.rollout_ranks) if dist.links else dist.world_size
     check_plan(cfg, Target.here(whole, torchrun=dist.distributed))
     check_versions(cfg)
     _check_environment(cfg)
-    if rows is None:
-        if not cfg.data.train_files:
-            raise ConfigError("data.train_files is empty: name at least one rows file (JSONL or Parquet)")
-        rows = _read_rows(cfg.data.train_files, "data.train_files")
-    if eval_rows is None:
-        eval_rows = _read_rows(cfg.data.eval_files, "data.eval_files")
-    for key, given in (("train_rows", rows), ("eval_rows", eval_rows)):
-        for index, row in enumerate(given):
-            try:
-                validate_row(row, f"{key}[{index}]")
-            except ValueError as error:
-                raise ConfigError(str(error)) from None
-    if cfg.data.eval_size:
-        eval_rows = eval_rows[: cfg.data.eval_size]
-    if not rows:
+    if rows is None and not cfg.data.train_files:
+        raise ConfigError("data.train_files is empty: name at least one rows file (JSONL or Parquet)")
+    train = _read_rows(cfg.data.train_files, "data.train_files") if rows is None else _in_memory(rows, "train_rows")
+    held_out = (_read_rows(cfg.data.eval_files, "data.eval_files") if eval_rows is None
+                else _in_memory(eval_rows, "eval_rows"))[: cfg.data.eval_size or None]
+    if not train:
         raise ConfigError(f"data.train_files: no rows in {cfg.data.train_files}")
-    for row in rows + eval_rows:
+    for where, row in train + held_out:
         try:
             rewards.get_reward(cfg.reward.functions.get(row["data_source"], row["data_source"]))
         except ValueError as error:
-            raise ConfigError(f"data: row index {row.get('extra_info', {}).get('index')} has data_source "
-                              f"{row['data_source']!r} with no reward function: {error}") from None
-        if cfg.stage == "sft" and not isinstance(row.get("extra_info", {}).get("target"), str):
-            raise ConfigError(f"stage=sft needs extra_info.target in every row; row index "
-                              f"{row.get('extra_info', {}).get('index')} has none")
-    if len(rows) < dist.world_size:
-        raise ConfigError(f"data.train_files: {len(rows)} rows cannot feed world size {dist.world_size}")
-    return list(rows), list(eval_rows)
+            raise ConfigError(f"{where}: data_source {row['data_source']!r} has no reward function: {error}") from None
+        if cfg.stage == "sft" and not isinstance((row.get("extra_info") or {}).get("target"), str):
+            raise ConfigError(f"stage=sft needs extra_info.target in every row; {where} has none")
+    if len(train) < dist.world_size:
+        raise ConfigError(f"data.train_files: {len(train)} rows cannot feed world size {dist.world_size}")
+    return train, held_out
 
 
-def _tokenize_prompts(cfg: Config, tokenizer, rows: list[dict], key: str) -> list[list[int]]:
-    prompt_ids = [render_prompt(tokenizer, row["prompt"]) for row in rows]
-    for row, ids in zip(rows, prompt_ids):
-        if len(ids) > cfg.data.max_prompt_tokens:
-            raise ConfigError(f"{key}: row index {row.get('extra_info', {}).get('index')} has a {len(ids)}-token "
-                              f"prompt, longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
-    return prompt_ids
+def _tokenize_prompts(cfg: Config, tokenizer, rows: list[tuple[str, dict]], notes: list[str]
+                      ) -> tuple[list[tuple[str, dict]], list[list[int]]]:
+    """The rows whose prompt fits data.max_prompt_tokens, and their prompt ids. A longer prompt is refused naming
+    its row, or with data.filter_overlong_prompts dropped and counted in `notes`."""
+    kept, prompt_ids, dropped, limit = [], [], [], cfg.data.max_prompt_tokens
+    for where, row in rows:
+        ids = render_prompt(tokenizer, row["prompt"])
+        if len(ids) <= limit:
+            kept.append((where, row))
+            prompt_ids.append(ids)
+        elif cfg.data.filter_overlong_prompts:
+            dropped.append(where)
+        else:
+            raise ConfigError(f"{where}: a {len(ids)}-token prompt, longer than data.max_prompt_tokens={limit} "
+                              f"(data.filter_overlong_prompts=true drops such rows)")
+    if dropped:
+        notes.append(f"data.filter_overlong_prompts: {len(dropped)} of {len(rows)} rows dropped, their prompts "
+                     f"longer than data.max_prompt_tokens={limit} (the first: {dropped[0]})")
+    return kept, prompt_ids
 
 
-def _sft_examples(cfg: Config, tokenizer, rows: list[dict], prompt_ids: list[list[int]]) -> list[tuple]:
+def _sft_examples(cfg: Config, tokenizer, rows: list[tuple[str, dict]], prompt_ids: list[list[int]]) -> list[tuple]:
     """(prompt ids, target ids + eos) per row; an example longer than trainer.sft_max_len fails by row."""
     examples = []
-    for row, ids in zip(rows, prompt_ids):
+    for (where, row), ids in zip(rows, prompt_ids):
         target = tokenizer.encode(row["extra_info"]["target"], add_special_tokens=False) + [tokenizer.eos_token_id]
         if len(ids) + len(target) > cfg.trainer.sft_max_len:
-            raise ConfigError(f"row index {row['extra_info'].get('index')}: prompt + target is "
-                              f"{len(ids) + len(target)} tokens > trainer.sft_max_len={cfg.trainer.sft_max_len}")
+            raise ConfigError(f"{where}: prompt + target is {len(ids) + len(target)} tokens > "
+                              f"trainer.sft_max_len={cfg.trainer.sft_max_len}")
         examples.append((ids, target))
     return examples
 
@@ -206,13 +233,14 @@ class Prepared:
     source: str | None  # the model the run starts from: init_from, else model.name_or_path (None: embedded)
     source_key: str  # which of the two keys named it
     latest: Path | None  # the checkpoint to resume from (trainer.resume)
-    warnings: list[str]  # startup_warnings: printed once the run log exists
+    warnings: list[str]  # startup_warnings and what the checks dropped: printed once the run log exists
+    places: list[str]  # where each row of rows + eval_rows came from ("file:line", "train_rows[3]")
 
 
 def prepare(cfg: Config, dist, *, rows: list[dict] | None = None, eval_rows: list[dict] | None = None) -> Prepared:
     """Every check a start makes before the model loads; ConfigError naming the key, file or row otherwise.
     rows / eval_rows: given in memory instead of data.train_files / data.eval_files (check_config)."""
-    rows, eval_rows = check_config(cfg, dist, rows=rows, eval_rows=eval_rows)
+    train, held_out = check_config(cfg, dist, rows=rows, eval_rows=eval_rows)
     notes = startup_warnings(cfg)
     latest = _check_run_directory(cfg, Path(cfg.trainer.out_dir) / cfg.trainer.run_name, notes)
     # A resumed run rebuilds the model from where the run started; the checkpointer (which verifies every file
@@ -224,12 +252,16 @@ def prepare(cfg: Config, dist, *, rows: list[dict] | None = None, eval_rows: lis
         tokenizer = load_tokenizer(source, trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError) as error:
         raise ConfigError(f"{key}: {error}") from None
-    prompt_ids = _tokenize_prompts(cfg, tokenizer, rows, "data.train_files")
+    train, prompt_ids = _tokenize_prompts(cfg, tokenizer, train, notes)
+    if not train:
+        raise ConfigError(f"data.filter_overlong_prompts: no training row has a prompt of at most "
+                          f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} tokens")
     budget = cfg.trainer.max_tokens_per_micro_batch
     longest = max(len(ids) for ids in prompt_ids) + cfg.rollout.max_new_tokens
     if cfg.stage == "rl" and budget and longest > budget:
         raise ConfigError(f"trainer.max_tokens_per_micro_batch={budget} is less than the longest sequence a step "
                           f"can hold: {longest} tokens (the longest prompt + rollout.max_new_tokens)")
-    eval_prompt_ids = _tokenize_prompts(cfg, tokenizer, eval_rows, "data.eval_files")
-    examples = _sft_examples(cfg, tokenizer, rows, prompt_ids) if cfg.stage == "sft" else []
-    return Prepared(rows, eval_rows, tokenizer, prompt_ids, eval_prompt_ids, examples, source, key, latest, notes)
+    held_out, eval_prompt_ids = _tokenize_prompts(cfg, tokenizer, held_out, notes)
+    examples = _sft_examples(cfg, tokenizer, train, prompt_ids) if cfg.stage == "sft" else []
+    return Prepared([row for _, row in train], [row for _, row in held_out], tokenizer, prompt_ids, eval_prompt_ids,
+                    examples, source, key, latest, notes, [where for where, _ in train + held_out])

@@ -330,7 +330,8 @@ def reward_functions(reward: RewardConfig, rows: list[dict], *, device: str = "c
 
     def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         if data_source == "factqa_corpus":
-            return configured(data_source, solution_str, ground_truth, extra_info)
+            return rewards.check_result(data_source, solution_str,
+                                        configured(data_source, solution_str, ground_truth, extra_info))
         return rewards.compute_score(data_source, solution_str, ground_truth, extra_info)
     return compute_score, None, None
 

@@ -28,7 +28,7 @@ import yaml
 
 from grpo.config import Config, ConfigError, startup_warnings
 from grpo.trainer import StepFailed
-from launch.build import build
+from launch.build import build, build_scorer
 from launch.dist import CollectiveFailed, DistInfo, exit_rank, init_distributed, shutdown
 from launch.plan import Target, check_plan, run_plan
 from launch.preflight import prepare
@@ -163,6 +163,9 @@ def _dry_run(cfg: Config, dist: DistInfo, args: argparse.Namespace) -> None:
     model = cfg.init_from or cfg.model.name_or_path or "<the embedded default's directory>"
     if target == here:
         prepared = prepare(cfg, dist)
+        pool = build_scorer(cfg, dist, prepared)[1]  # the rewards are called on a row each, as at a real start
+        if pool is not None:
+            pool.close()
         longest = max(map(len, prepared.prompt_ids + prepared.eval_prompt_ids))
         resume = f"; would resume from {prepared.latest}" if prepared.latest else ""
         warnings, summary = prepared.warnings, (

@@ -15,6 +15,7 @@ No reward imports torch or a tokenizer library.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import math
@@ -90,16 +91,33 @@ def get_reward(data_source_or_path: str) -> RewardFn:
     return function
 
 
+@contextlib.contextmanager
+def scoped_registry():
+    """Registrations made inside are undone on leaving (launch.api.train: a run's rewards are its own)."""
+    saved = dict(_REGISTRY)
+    try:
+        yield
+    finally:
+        _REGISTRY.clear()
+        _REGISTRY.update(saved)
+
+
 def compute_score(data_source: str, solution_str: str, ground_truth: object,
                   extra_info: dict | None = None) -> float | dict:
-    """verl's entry point: the reward for data_source on one completion, checked to be a finite number (returned
-    as a float) or a dict with a finite "score" and sentence spans inside the completion."""
+    """verl's entry point: the reward for data_source on one completion, checked by check_result."""
     if not isinstance(solution_str, str):
         raise TypeError(f"solution_str must be a str, got {type(solution_str).__name__}")
-    result = get_reward(data_source)(data_source, solution_str, ground_truth, extra_info)
+    return check_result(data_source, solution_str,
+                        get_reward(data_source)(data_source, solution_str, ground_truth, extra_info))
+
+
+def check_result(data_source: str, solution_str: str, result: object) -> float | dict:
+    """A reward's result if it is a finite number (returned as a float) or a dict with a finite "score" and
+    sentence spans inside the completion; ValueError naming the reward and the value otherwise."""
     score = result.get("score") if isinstance(result, dict) else result
     if not isinstance(score, (int, float)) or not math.isfinite(score):  # bool is an int: True scores 1
-        raise ValueError(f"reward {data_source!r} returned score {score!r}; expected a finite float")
+        raise ValueError(f"reward {data_source!r} returned {result!r:.200}: expected a finite number or a dict with "
+                         f"a finite 'score'")
     if not isinstance(result, dict):
         return float(score)
     for start, end, _ in result.get("sentences") or ():

@@ -147,16 +147,19 @@ def think_answer_format(text: str) -> bool:
 
 
 def load_ground_truth(ground_truth: object) -> object:
-    """A dict as it is, a string holding a JSON object or array decoded, any other string unchanged (a plain
-    answer); ValueError for other types.
+    """A dict or list as it is, a string holding a JSON object or array decoded, a number as its text and any
+    other string unchanged (a plain answer); ValueError for other types.
 
-    >>> load_ground_truth('{"answer": "SUPPORTS"}'), load_ground_truth("Paris;City of Light")
-    ({'answer': 'SUPPORTS'}, 'Paris;City of Light')
+    >>> load_ground_truth('{"answer": "SUPPORTS"}'), load_ground_truth("Paris;City of Light"), load_ground_truth(20)
+    ({'answer': 'SUPPORTS'}, 'Paris;City of Light', '20')
     """
-    if isinstance(ground_truth, dict):
+    if isinstance(ground_truth, (dict, list)):
         return ground_truth
+    if isinstance(ground_truth, (int, float)) and not isinstance(ground_truth, bool):
+        return str(ground_truth)
     if not isinstance(ground_truth, str):
-        raise ValueError(f"field 'ground_truth' must be a string or dict, got {type(ground_truth).__name__}")
+        raise ValueError(f"field 'ground_truth' must be a string, number, list or dict, got "
+                         f"{type(ground_truth).__name__}")
     stripped = ground_truth.strip()
     if stripped[:1] in ("{", "["):
         try:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import rewards
 from launch.api import train
 from grpo.config import ConfigError
 
@@ -88,6 +89,10 @@ def test_a_dict_config_rewards_in_code_and_rows_in_memory(tmp_path, tiny_model_d
     assert [m["step"] for m in metrics] == [1, 2]
     with pytest.raises(ConfigError, match=r"train_rows\[1\]"):  # a bad row is named before anything is written
         train(config, rewards=starts_with, train_rows=[_rows(1)[0], {"prompt": "not a chat"}])
+    # The rewards were this run's only (on 5cd6fe9 the next call silently scored with them).
+    assert "api_letters" not in rewards.registered()
+    with pytest.raises(ConfigError, match="api_letters"):
+        train({**config, "trainer": {**config["trainer"], "run_name": "api2"}}, train_rows=_rows(8))
 
 
 def test_weights_and_biases_offline(tmp_path, tiny_model_dir, monkeypatch):

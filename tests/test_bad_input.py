@@ -100,6 +100,68 @@ def test_corrupt_checkpoint_is_refused(setup, capsys):
     shutil.rmtree(checkpoint)
 
 
+def test_an_overlong_prompt_names_its_file_and_line_or_is_dropped_and_counted(setup, capsys):
+    """On 5cd6fe9: 'row index 26 has a 1667-token prompt', no file, no line, and no option to drop such rows."""
+    tmp, base = setup
+    long_row = {**GOOD_ROW, "prompt": [{"role": "user", "content": "word " * 300}], "extra_info": {}}
+    rows = _write(tmp / "long.jsonl", [GOOD_ROW, long_row, {**GOOD_ROW, "extra_info": {"index": 2}}])
+    base = base + [f"data.train_files=['{rows}']", "data.max_prompt_tokens=64"]
+    assert main(base + ["--dry-run"]) == 2
+    assert f"{rows}:2: a " in capsys.readouterr().err
+    assert main(base + ["data.filter_overlong_prompts=true", "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert "ok: 2 training rows" in out and f"1 of 3 rows dropped" in err and f"(the first: {rows}:2)" in err
+
+
+BAD_REWARDS = """
+def two_arguments(data_source, solution_str):
+    return 1.0
+
+def not_a_number(data_source, solution_str, ground_truth, extra_info=None):
+    return float("nan")
+
+def text(data_source, solution_str, ground_truth, extra_info=None):
+    return "good"
+
+def nothing(data_source, solution_str, ground_truth, extra_info=None):
+    return None
+
+def no_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"acc": 1.0}
+"""
+
+
+def test_a_bad_reward_is_refused_at_start_up_before_the_model_loads(setup, capsys):
+    """A wrong signature or a result that is not a finite number or a dict with a finite score ends the start-up
+    (and --dry-run) in one line naming the reward, the row and the value; on 5cd6fe9 it surfaced after the first
+    rollout as a long traceback."""
+    tmp, base = setup
+    (tmp / "bad_rewards.py").write_text(BAD_REWARDS)
+    for name, shown in (("two_arguments", "TypeError"), ("not_a_number", "nan"), ("text", "'good'"),
+                        ("nothing", "None"), ("no_score", "{'acc': 1.0}")):
+        reward = f"reward.functions={{tests_vowels: '{tmp / 'bad_rewards.py'}:{name}'}}"
+        for flags in ([], ["--dry-run"]):
+            code = main(base + [reward, *flags])
+            err = capsys.readouterr().err
+            assert code == 2 and len(err.strip().splitlines()) == 1, (name, err[-600:])
+            assert f"reward 'tests_vowels' on {tmp / 'rows.jsonl'}:1 with an empty completion" in err and shown in err
+            assert not (tmp / "runs").exists()
+
+
+def test_dry_run_of_a_shipped_recipe_names_the_command_that_makes_a_missing_file(tmp_path, monkeypatch, capsys):
+    """On a fresh clone the README's commands meet files that make demo (or a data converter) writes; on 5cd6fe9
+    the message named the file only."""
+    from pathlib import Path
+    configs = Path(__file__).resolve().parents[1] / "launch" / "configs"
+    monkeypatch.chdir(tmp_path)
+    for recipe, overrides, maker in (("demo.yaml", [], "make demo"), ("demo.yaml", ["init_from=null"], "make demo"),
+                                     ("veriseek_grpo.yaml", [], "python -m data.scifact"),
+                                     ("verifier_dapo.yaml", [], "python -m launch.train --config "
+                                                                "launch/configs/verifier_sft.yaml")):
+        assert main(["--config", str(configs / recipe), "--dry-run", *overrides]) == 2
+        assert f"(made by: {maker}" in capsys.readouterr().err, recipe
+
+
 def _flip_a_bit(path):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x10  # same size: only a checksum can tell

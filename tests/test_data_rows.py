@@ -56,6 +56,15 @@ def test_parquet_fills_keys_missing_in_some_rows_with_none(tmp_path):
     assert read_rows(tmp_path / "rows.parquet")[1]["extra_info"]["tags"] is None
 
 
+def test_any_json_ground_truth_loads_as_in_verl(tmp_path):
+    """verl's rows carry numbers, lists or objects as ground truth (on 5cd6fe9 an integer was refused)."""
+    good = sample_rows()[0]
+    truths = [20, 2.5, ["Paris", "City of Light"], {"answer": "A"}, "plain"]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({**good, "reward_model": {"ground_truth": t}}) + "\n" for t in truths))
+    assert [row["reward_model"]["ground_truth"] for row in read_rows(path)] == truths
+
+
 @pytest.mark.parametrize(
     "row, message",
     [
@@ -65,7 +74,7 @@ def test_parquet_fills_keys_missing_in_some_rows_with_none(tmp_path):
         ({"prompt": [{"role": "robot", "content": "hi"}], "data_source": "x", "reward_model": {"ground_truth": "1"}}, "prompt[0].role is 'robot'"),
         ({"prompt": [{"role": "user", "content": "hi"}], "reward_model": {"ground_truth": "1"}}, "field 'data_source'"),
         ({"prompt": [{"role": "user", "content": "hi"}], "data_source": "x"}, "field 'reward_model'"),
-        ({"prompt": [{"role": "user", "content": "hi"}], "data_source": "x", "reward_model": {"ground_truth": 4}}, "reward_model.ground_truth' must be a string"),
+        ({"prompt": [{"role": "user", "content": "hi"}], "data_source": "x", "reward_model": {"answer": 4}}, "reward_model.ground_truth' is missing"),
         ({"prompt": [{"role": "user", "content": "hi"}], "data_source": "x", "reward_model": {"ground_truth": "4"},
           "extra_info": {"index": "7"}}, "extra_info.index' must be an integer"),
     ],

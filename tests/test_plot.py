@@ -40,8 +40,9 @@ def check_png(path):
 
 
 def test_curves_and_bars_render(tmp_path, capsys):
-    held_out = {"before": {"count": 4, "means": {"acc": [0.25, 0.0, 0.5], "format": [0.5, 0.2, 0.8]}},
-                "after": {"count": 4, "means": {"acc": [0.5, 0.2, 0.8], "format": [1.0, 1.0, 1.0]}}}
+    interval = lambda mean, low, high: {"mean": mean, "low": low, "high": high}  # noqa: E731
+    held_out = {"before": {"count": 4, "means": {"acc": interval(0.25, 0.0, 0.5), "format": interval(0.5, 0.2, 0.8)}},
+                "after": {"count": 4, "means": {"acc": interval(0.5, 0.2, 0.8), "format": interval(1.0, 1.0, 1.0)}}}
     first = write_run(tmp_path / "sft_then_grpo", 5, with_kl=True, eval_json=held_out)
     second = write_run(tmp_path / "grpo_only", 8, with_kl=False)
     evaluated = tmp_path / "eval_base"
@@ -58,6 +59,16 @@ def test_curves_and_bars_render(tmp_path, capsys):
     assert has_colour(curves, BLUE) > 1e-4 and has_colour(curves, ORANGE) > 1e-4
     bars = check_png(out / "eval_comparison.png")
     assert has_colour(bars, BLUE) > 1e-3  # filled bars cover many pixels
+
+
+def test_a_reward_without_a_format_component_gets_no_format_bar(tmp_path, monkeypatch):
+    """On 5cd6fe9 a custom reward's held-out panel showed 'format success' as an empty bar labelled n/a."""
+    import launch.plot
+    drawn = []
+    monkeypatch.setattr(launch.plot.Figure, "savefig", lambda figure, path, **_: drawn.append(figure))
+    evaluations = {"run after": {"held-out (trainer)": {"acc": 0.5}}}
+    assert launch.plot.evaluation_bars(evaluations, tmp_path / "bars.png") == ["held-out (trainer)"]
+    assert [tick.get_text() for tick in drawn[0].axes[0].get_xticklabels()] == ["accuracy"]
 
 
 def test_panels_follow_the_logged_keys(tmp_path):

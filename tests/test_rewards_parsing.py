@@ -122,5 +122,6 @@ def test_load_ground_truth():
     assert load_ground_truth('["x", "y"]') == ["x", "y"]
     assert load_ground_truth("{not json") == "{not json"
     assert load_ground_truth("42") == "42"
+    assert load_ground_truth(42) == "42" and load_ground_truth(2.5) == "2.5"  # verl's rows carry numbers (issue 31)
     with pytest.raises(ValueError, match="ground_truth"):
-        load_ground_truth(42)
+        load_ground_truth(None)
