@@ -1,14 +1,12 @@
 """The run's reward functions, built once from the `reward` section (`reward_functions`): reward.functions
 registered by path, the corpus index exported to the factqa_corpus reward, that reward with the configured triple
-extractor (a local causal LM is assembled here: rewards know no model) and window definition, and optionally
-worker processes. grpo.scoring.Scorer stays the one place a completion is scored and a failure names its row.
+extractor (a local causal LM is assembled here: rewards know no model) and window, and optionally workers.
 
 Workers (reward.num_workers) score a step's completions concurrently; a call past reward.timeout_s is abandoned
-(its worker killed, a new one started for the next call) and a worker that dies is an error naming its process
-and exit code. They are forked by a fork server, a fresh single-threaded process that imports the rewards once
-and no torch (forking the training process, with its threads, process group or CUDA, is not safe). Each worker
-rebuilds the registry from the config and reports which function each data source resolves to; a difference
-from this process (a reward registered in code only, which a new process cannot see) fails at start-up.
+(its worker killed and replaced) and a worker that dies is an error naming its process and exit code. A fork
+server starts them: a fresh single-threaded process without torch (forking the training process, with its
+threads, process group or CUDA, is not safe). Each worker rebuilds the registry and reports which function
+each data source resolves to; one that differs from this process's fails at start-up.
 """
 from __future__ import annotations
 
@@ -64,10 +62,8 @@ def _shippable(functions: dict) -> dict:
 
 
 def _serve(connection, reward: dict, data_sources: list[str], functions: dict) -> None:
-    """A worker's life: rebuild the registry from the reward section (as a dict: unpickling a RewardConfig would
-    import torch) and the functions the training process resolved (a reward defined in code in a script's
-    module arrives by reference), report it, then score calls until told to stop (None) or the training process
-    is gone (EOF)."""
+    """A worker's life: rebuild the registry from the reward section (a dict: a RewardConfig would import torch)
+    and the functions shipped by reference, report it, then score calls until None or EOF."""
     # Ctrl-C and a scheduler's SIGTERM reach the whole process group: the training process finishes its step
     # (which may still need this worker) and then closes the pool.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
