@@ -119,6 +119,25 @@ def test_a_resume_refuses_settings_that_define_another_run(tmp_path, tiny_model_
     assert [m["step"] for m in _metrics(run_dir)] == [1, 2, 3]
 
 
+def test_what_a_user_sees_of_a_run_and_its_resume(tmp_path, tiny_model_dir, capsys):
+    """Issue 31, finding 9, each checked here and absent on 5cd6fe9: data.train_files=/one/file.jsonl is a one-file
+    list; RL steps log their loss; a reward without a format component adds no format column; the summary on
+    stdout is the run directory and the held-out means only; a resume says where it resumed from."""
+    from launch.train import main
+    rows = _rows(tmp_path)
+    base = [f"model.name_or_path={tiny_model_dir}", f"data.train_files={rows}", f"data.eval_files={rows}",
+            "data.eval_size=2", f"reward.functions={{{REWARD}: 'rewards_for_tests:constant'}}", "rollout.n=2",
+            "rollout.max_new_tokens=4", f"trainer.out_dir={tmp_path / 'runs'}", "trainer.run_name=seen"]
+    assert main(base + ["trainer.steps=1"]) == 0
+    out, err = capsys.readouterr()
+    summary = json.loads(out)
+    assert set(summary) == {"run_dir", "before", "after"} and set(summary["after"]) == {"reward", "acc"}
+    metrics = _metrics(tmp_path / "runs" / "seen")
+    assert isinstance(metrics[0]["loss"], float) and not any("format" in key for key in metrics[0])
+    assert main(base + ["trainer.steps=2", "--resume"]) == 0
+    assert f"resumed from {tmp_path / 'runs' / 'seen' / 'checkpoints' / 'step_1'} (step 1 of 2)" in capsys.readouterr().err
+
+
 def test_sentence_rewards_shape_token_advantages(tmp_path, tiny_model_dir):
     cfg = _config(tmp_path, tiny_model_dir, "trainer.steps=2", "data.eval_files=[]",
                   f"reward.functions={{{REWARD}: 'rewards_for_tests:vowel_sentences'}}", "reward.sentence_coef=2.0")
