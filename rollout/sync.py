@@ -1,11 +1,8 @@
-"""Weight sync from the trainer to the rollout engine after an optimizer step: stream full tensors out of
-the (possibly FSDP2-sharded) policy and load them into the engine in size-bounded buckets, so the full model
-is never materialised at once on top of the sharded one.
-
-Every rank must call `sync_weights` at the same point: gathering a sharded tensor is a collective.
-
-A bucket never splits a decoder layer (`weight_group`): vLLM rebuilds a fused q/k/v or gate/up module only from
-parts loaded in the same reload call, and a half-written one gives wrong logprobs (vLLM 0.32 CPU).
+"""Weight sync from the trainer to the rollout engine after an optimizer step: full tensors streamed out of the
+(possibly FSDP2-sharded) policy into the engine in size-bounded buckets, so the full model is never materialised
+on top of the sharded one. Every rank calls `sync_weights` at the same point: gathering a sharded tensor is a
+collective. A bucket never splits a decoder layer (`weight_group`): vLLM rebuilds a fused q/k/v or gate/up module
+only from parts loaded in the same reload call, and a half-written one gives wrong logprobs (vLLM 0.32 CPU).
 """
 from __future__ import annotations
 
@@ -21,7 +18,6 @@ from torch import Tensor
 
 from models.lora import merged_state_dict
 
-DEFAULT_BUCKET_BYTES = 1 << 30
 # "model.layers.12.self_attn.q_proj.weight" -> "model.layers.12."; the first dotted integer ends the prefix.
 _LAYER_PREFIX = re.compile(r"^(.*?\.\d+\.)")
 
@@ -34,9 +30,7 @@ def weight_group(name: str) -> str:
     ('model.layers.12.', 'model.norm')
     """
     match = _LAYER_PREFIX.match(name)
-    if match:
-        return match.group(1)
-    return name.rsplit(".", 1)[0] if "." in name else name
+    return match.group(1) if match else name.rsplit(".", 1)[0]
 
 
 def tensor_bytes(tensor: Tensor) -> int:
@@ -44,13 +38,9 @@ def tensor_bytes(tensor: Tensor) -> int:
 
 
 def bucketed(named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
-    """Regroup a stream of (name, tensor) into lists of whole weight groups (see `weight_group`).
-
-    Each yielded bucket holds at most `bucket_bytes`, except a bucket made of one group that alone is
-    larger. The stream is read lazily: at most one bucket plus one group being collected are held at a
-    time, so the peak is about bucket_bytes + one decoder layer, never the whole model. A group's tensors
-    must arrive consecutively (HF state-dict order does this).
-    """
+    """Regroup a stream of (name, tensor) into lists of whole weight groups, each list at most `bucket_bytes` unless
+    one group alone is larger. Read lazily, so at most one bucket and one group are held (about bucket_bytes + one
+    decoder layer). A group's tensors must arrive consecutively, as in HF state-dict order."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     bucket, bucket_size, finished_groups = [], 0, set()
@@ -74,10 +64,9 @@ def bucketed(named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> 
 
 @contextmanager
 def updating_weights(engine):
-    """The engine's order for a weight update (launch.plan.engine_cycle), around the loads in the block: its
-    weights' memory back (a vLLM asleep at level 2 holds none), the new weights in, this process's cached blocks
-    and the gathered buckets released, and only then the KV cache, so the buckets never sit on top of a full KV
-    cache."""
+    """The engine's order around the loads in the block (launch.plan.engine_cycle): its weights' memory back (a vLLM
+    asleep at level 2 holds none), the loads, this process's cached blocks released, and only then the KV cache,
+    so the gathered buckets never sit on top of a full KV cache."""
     engine.wake(("weights",))
     yield
     if torch.cuda.is_available():
@@ -85,18 +74,11 @@ def updating_weights(engine):
     engine.wake(("kv_cache",))
 
 
-def sync_weights(model, engine, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict[str, float]:
-    """Push the policy's current weights into `engine` (an `rollout.engine.Engine`).
-
-    model:        the policy (plain or FSDP2-sharded) whose weights the engine should sample with; with LoRA
-                  adapters the engine gets the merged weights W + scale * B @ A under the base names.
-    bucket_bytes: the most bytes of full tensors handed to the engine per `update_weights` call (a decoder
-                  layer is never split, so a bucket exceeds this only when one layer alone does). Larger
-                  buckets mean fewer engine calls (the per-call overhead dominates small syncs); smaller
-                  buckets bound the extra memory the sync needs.
-    Returns metrics: sync/seconds (wall time, including the gathers), sync/load_seconds (inside the
-    engine), sync/bytes (full tensors streamed), sync/buckets, sync/max_bucket_bytes.
-    """
+def sync_weights(model, engine, *, bucket_bytes: int) -> dict[str, float]:
+    """Push the policy's (plain or FSDP2-sharded) current weights into `engine`, LoRA adapters merged under the base
+    names (W + scale * B @ A), in `update_weights` calls of about `bucket_bytes` (`bucketed`): larger buckets mean
+    fewer calls, smaller ones bound the sync's extra memory. Returns sync/seconds (wall time, gathers included),
+    sync/load_seconds (inside the engine), sync/bytes, sync/buckets and sync/max_bucket_bytes."""
     start, load_seconds, sizes = time.perf_counter(), 0.0, []
     with updating_weights(engine):
         for bucket in bucketed(merged_state_dict(model), bucket_bytes):
