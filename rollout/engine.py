@@ -1,11 +1,10 @@
-"""The rollout interface every generation engine implements: the `Completion` record, the `Engine` protocol,
-and the input checks and text rule shared by all engines, so that they fail and decode identically.
+"""The rollout interface every generation engine implements (the `Completion` record, the `Engine` protocol) and
+the request checks and text rule they share, so that all engines fail and decode identically.
 
-Text rule (both engines): `completion.text == tokenizer.decode(completion.completion_ids, skip_special_tokens=True)`.
-A completion stopped by a stop string ends with the token that completed the stop string; that token is kept
-(the policy must learn to emit it) and the stop string is part of the text. The text can extend past the stop
-string only when that last token itself does (e.g. stop "\\n" completed by a "\\n\\n" token). A completion stopped
-by an end-of-sequence token keeps that token in `completion_ids` (its logprob is trained) but not in `text`.
+Text rule: `completion.text == tokenizer.decode(completion.completion_ids, skip_special_tokens=True)`. A completion
+stopped by a stop string keeps the token that completed it (the policy must learn to emit it), so the text holds
+the stop string and runs past it only when that token does (stop "\\n" completed by a "\\n\\n" token). A completion
+stopped by an end-of-sequence token keeps that token in `completion_ids` (its logprob is trained), not in `text`.
 """
 from __future__ import annotations
 
@@ -64,9 +63,9 @@ CHILD_BITS = 16  # the low bits vLLM adds a completion's index to (prompt_seed)
 
 
 def stream_seed(*parts: int) -> int:
-    """A seed for a random stream named by integers, e.g. (run seed, step, replica, round): a hash, so that
-    streams of different names are unrelated (no name is another shifted by one, as seed + step would make
-    them) and collide with probability 2^-63 per pair.
+    """A seed for a random stream named by integers, e.g. (run seed, step, replica, round): a hash, so streams of
+    different names are unrelated (seed + step would make one name another shifted by one) and collide with
+    probability 2^-63 per pair.
 
     >>> stream_seed(0, 1) == stream_seed(0, 1) != stream_seed(1, 0)
     True
@@ -85,11 +84,8 @@ def prompt_seed(seed: int, prompt_index: int) -> int:
 def validate_request(prompts: list[list[int]], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
                      top_k: int, stop: Sequence[str] | None, seed: int | None, max_context: int,
                      vocab_size: int) -> list[str]:
-    """Check one `generate` request before any generation; return the stop strings as a list.
-
-    max_context: the most tokens (prompt + completion) the engine's model holds; token ids lie in [0, vocab_size).
-    Raises ValueError naming the offending argument, prompt index or value.
-    """
+    """Check one `generate` request before any generation, raising ValueError that names the argument, prompt or
+    value (a sequence holds at most max_context tokens, ids lie in [0, vocab_size)); return the stop strings."""
     if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
         raise ValueError(f"prompts must be a non-empty list of token-id lists, got {prompts!r:.80}")
     if not isinstance(n, int) or not 1 <= n <= 2**CHILD_BITS:  # prompt_seed gives each prompt 2^16 child seeds
@@ -114,10 +110,8 @@ def validate_request(prompts: list[list[int]], *, n: int, max_new_tokens: int, t
         if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
             raise ValueError(f"prompt {index} must be a non-empty list of token ids, got {prompt!r:.80}")
         if len(prompt) >= max_context:
-            raise ValueError(
-                f"prompt {index} has {len(prompt)} tokens but the context holds {max_context}: "
-                f"no new token fits; shorten the prompt or raise the engine's context length"
-            )
+            raise ValueError(f"prompt {index} has {len(prompt)} tokens but the context holds {max_context}: no new "
+                             f"token fits; shorten the prompt or raise the engine's context length")
         bad = min(prompt) if min(prompt) < 0 else max(prompt)
         if not 0 <= bad < vocab_size:
             raise ValueError(f"prompt {index} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
@@ -148,11 +142,9 @@ def oom_explained(batch_size: int, max_new_tokens: int):
 
 @contextmanager
 def torch_threads(num_threads: int | None):
-    """Run an engine call at `num_threads` torch intra-op threads, then restore the caller's count (None: leave
-    torch alone). Token-by-token decoding is many small parallel regions, which on a busy CPU wait for
-    descheduled OpenMP workers: one thread can then be much faster (bench/README.md). It also puts back
-    `torch.set_num_threads`, which building an in-process vLLM CPU worker replaces with a no-op for the process.
-    """
+    """Run an engine call at `num_threads` torch threads (None: as they are), then restore the caller's count and
+    `torch.set_num_threads` (an in-process vLLM CPU worker replaces it with a no-op). Token-by-token decoding is many
+    small parallel regions that on a busy CPU wait for descheduled OpenMP workers: one thread can be much faster."""
     if num_threads is None:
         yield
         return

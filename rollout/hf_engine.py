@@ -15,11 +15,12 @@ from transformers import DynamicCache
 
 from models.batching import pad_batch
 from rollout.cpu_decode import CPUDecoding, supported
-from rollout.engine import Completion, completion_text, oom_explained, torch_threads, validate_request
+from rollout.engine import Completion, Engine, completion_text, oom_explained, torch_threads, validate_request
 
 
-class HFEngine:
-    """Generate with a plain (not FSDP-sharded) transformers causal LM.
+class HFEngine(Engine):
+    """Generate with a plain (not FSDP-sharded) transformers causal LM. `sleep`, `wake` and `close` are the
+    protocol's no-ops: the model has no separate generation memory, and it is the caller's to release.
 
     shared:        True when `model` is the policy being trained: `update_weights` is then a no-op (the engine
                    already sees every optimizer step). False when the engine owns its copy, updated by name.
@@ -32,22 +33,17 @@ class HFEngine:
                  eos_token_ids: Sequence[int] | None = None, max_context: int | None = None,
                  num_threads: int | None = None):
         sharded = [name for name, parameter in model.named_parameters() if type(parameter).__name__ == "DTensor"]
-        if sharded:
-            # Each rank would stop generating at a different step and deadlock inside FSDP's all-gathers.
-            raise ValueError(
-                f"HFEngine needs an unsharded model, but parameter {sharded[0]!r} is an FSDP DTensor: build the "
-                f"engine on a full copy (shared=False) and push weights with rollout.sync.sync_weights"
-            )
+        if sharded:  # each rank would stop generating at a different step and deadlock in FSDP's all-gathers
+            raise ValueError(f"HFEngine needs an unsharded model, but parameter {sharded[0]!r} is an FSDP DTensor: "
+                             f"build the engine on a full copy (shared=False) and push weights with "
+                             f"rollout.sync.sync_weights")
         self.model = model
         self.tokenizer = tokenizer
         self.shared = shared
         self.num_threads = num_threads
-        if eos_token_ids is None:
-            if tokenizer.eos_token_id is None:
-                raise ValueError("the tokenizer has no eos_token_id: pass eos_token_ids explicitly")
-            eos_token_ids = [tokenizer.eos_token_id]
+        # models.load_tokenizer gives every tokenizer an eos and a pad token.
+        eos_token_ids = [tokenizer.eos_token_id] if eos_token_ids is None else eos_token_ids
         self.eos_token_ids = sorted(set(int(token) for token in eos_token_ids))
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
         self.max_context = int(max_context or model.config.max_position_embeddings)
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         # A padded vocabulary (more model rows than tokenizer entries) has ids with no text: never sample them.
@@ -81,7 +77,7 @@ class HFEngine:
         budget = (self.max_context - prompt_lengths).clamp(max=max_new_tokens).to(device)
         steps = int(budget.max())
         # Prompts left-padded with the trainer's positions (models.batching.pad_batch), so their logprobs agree.
-        batch = pad_batch(prompts, [[] for _ in prompts], self.pad_token_id)
+        batch = pad_batch(prompts, [[] for _ in prompts], self.tokenizer.pad_token_id)
         input_ids, attention_mask, position_ids = (batch[key].to(device) for key in
                                                    ("input_ids", "attention_mask", "position_ids"))
         batch_size = len(prompts) * n
@@ -90,10 +86,8 @@ class HFEngine:
         lengths, stopped = budget.clone(), torch.zeros(batch_size, dtype=torch.bool, device=device)
         active = torch.arange(batch_size, device=device)  # batch row -> completion index
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)
-        if supported(self.model):
-            decoding = CPUDecoding(self.model, len(prompts), n, steps)
-        else:
-            decoding = TransformersDecoding(self.model, n)
+        decoding = (CPUDecoding(self.model, len(prompts), n, steps) if supported(self.model)
+                    else TransformersDecoding(self.model, n))
         logits = decoding.prefill(input_ids, attention_mask, position_ids)
         positions = position_ids[:, -1:].repeat_interleave(n, dim=0)
         for step in range(steps):
@@ -139,22 +133,10 @@ class HFEngine:
             for name, tensor in named_tensors:
                 if name not in parameters:
                     raise ValueError(f"update_weights: the engine's model has no parameter named {name!r}")
-                target = parameters[name]
-                if tuple(target.shape) != tuple(tensor.shape):
-                    raise ValueError(
-                        f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the engine's model expects "
-                        f"{tuple(target.shape)}"
-                    )
-                target.copy_(tensor)
-
-    def sleep(self) -> None:
-        """No-op: a transformers model has no separate generation memory to free between rollouts."""
-
-    def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
-        """No-op (see `sleep`)."""
-
-    def close(self) -> None:
-        """Nothing to release: the model is the caller's."""
+                if parameters[name].shape != tensor.shape:
+                    raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the engine's model "
+                                     f"expects {tuple(parameters[name].shape)}")
+                parameters[name].copy_(tensor)
 
 
 class TransformersDecoding:
@@ -187,25 +169,23 @@ class TransformersDecoding:
                           past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
 
 
-def truncate_logits(scaled_logits: Tensor, top_p: float, top_k: int) -> Tensor:
-    """A copy of scaled_logits ([A, V] float32, divided by the temperature) with -inf on every logit outside the
-    top-k set and outside the smallest top-p nucleus. top_k 0 and top_p 1.0 keep everything; the most likely
-    token is always kept."""
-    vocab_size = scaled_logits.shape[-1]
-    result = scaled_logits
-    if 0 < top_k < vocab_size:
-        kth_largest = torch.topk(result, top_k, dim=-1).values[:, -1:]
-        result = result.masked_fill(result < kth_largest, float("-inf"))
+def truncate_logits(logits: Tensor, top_p: float, top_k: int) -> Tensor:
+    """A copy of logits ([A, V] float32, divided by the temperature) with -inf on every logit outside the top-k set
+    and outside the smallest top-p nucleus. top_k 0 and top_p 1.0 keep everything; the most likely token is always
+    kept."""
+    if 0 < top_k < logits.shape[-1]:
+        kth_largest = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, sorted_index = torch.sort(result, dim=-1, descending=True)
+        sorted_logits, sorted_index = torch.sort(logits, dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(dim=-1)
         # Mass strictly before each token: a token is dropped once the tokens above it already reach top_p,
         # so the nucleus is the smallest prefix whose mass is >= top_p (and never empty).
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         drop_sorted = mass_before >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, sorted_index, drop_sorted)
-        result = result.masked_fill(drop, float("-inf"))
-    return result
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
 
 
 def sample_next_tokens(logits: Tensor, *, temperature: float, top_p: float, top_k: int,
