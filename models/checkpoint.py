@@ -6,14 +6,12 @@ Layout of `step_<n>/`:
     model.safetensors, config.json, generation_config.json, tokenizer files     (rank 0)
     or, for a LoRA model: adapter_model.safetensors, adapter_config.json, tokenizer files, [merged/]
     optimizer/                 torch.distributed.checkpoint files             (every rank)
-    rng/rank_<r>.safetensors   torch / CUDA / generator states; python and numpy states in its metadata
+    rng/rank_<r>.safetensors   torch / CUDA states; python and numpy states in its metadata
     trainer_state.json         {"step", "world_size", "has_optimizer", "lora", "extra"}
     COMPLETE                   written last: {"step", "files": {path: bytes}, "crc32": {path: CRC-32}}
-Everything is written into a hidden sibling `.step_<n>.partial`, renamed into place once COMPLETE is written, so a
-crash mid-save leaves nothing `latest_checkpoint` returns; a write that fails (a full disk, a file size limit)
-removes its partial directory and raises CheckpointWriteError naming the path and the bytes needed. A load
-checks everything it can before it changes anything, every file's size and CRC-32 first (a flipped bit
-anywhere is refused, naming the file).
+Everything is written into a hidden sibling `.step_<n>.partial` and renamed into place once COMPLETE is written,
+so a crash mid-save leaves nothing `latest_checkpoint` returns. A load checks every file's size and CRC-32 (a
+flipped bit anywhere is refused, naming the file) and the weights' shapes before it changes anything.
 """
 from __future__ import annotations
 
@@ -33,6 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from models import fsdp, lora
+from models.loading import load_model, load_tokenizer
 
 MARKER = "COMPLETE"
 WEIGHTS = "model.safetensors"
@@ -44,8 +43,8 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class CheckpointWriteError(OSError):
-    """A checkpoint could not be written (a full disk, a file size limit, ...); its partial directory is gone and
-    the checkpoints written before are untouched."""
+    """A checkpoint could not be written (a full disk, a file size limit, ...): the message names the path and the
+    bytes needed; its partial directory is gone and the checkpoints written before are untouched."""
 
 
 def _hf_class_name(model: torch.nn.Module) -> str:
@@ -67,20 +66,20 @@ def _trained_weights(model: torch.nn.Module) -> tuple[list[tuple[str, torch.Tens
 
 
 def _write_weights(directory: Path, model: torch.nn.Module, tokenizer, merged_export: bool) -> None:
-    """Every rank gathers, rank 0 writes: a LoRA model's adapter (only its tensors are gathered) and tokenizer;
-    the whole model as an HF directory, or with merged_export a LoRA model merged into merged/ (no peft needed)."""
-    adapter = lora.is_lora(model)
-    if adapter:
-        weights = {name: (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().cpu()
-                   for name, tensor in _trained_weights(model)[0]}
-        if fsdp.rank() == 0:
-            model.peft_config[lora.ADAPTER].save_pretrained(directory)
-            save_file({name: tensor.contiguous() for name, tensor in weights.items()}, directory / ADAPTER_WEIGHTS,
-                      metadata={"format": "pt"})
-            if tokenizer is not None:
-                tokenizer.save_pretrained(directory)
-    if not adapter or merged_export:
-        _write_model(directory / MERGED_DIR if adapter else directory, model, tokenizer)
+    """Every rank gathers, rank 0 writes: the model as an HF directory, or a LoRA model's adapter (only its tensors
+    are gathered) and tokenizer, and with merged_export the merged model in merged/ (no peft needed)."""
+    if not lora.is_lora(model):
+        return _write_model(directory, model, tokenizer)
+    weights = {name: (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().cpu()
+               for name, tensor in _trained_weights(model)[0]}
+    if fsdp.rank() == 0:
+        model.peft_config[lora.ADAPTER].save_pretrained(directory)
+        save_file({name: tensor.contiguous() for name, tensor in weights.items()}, directory / ADAPTER_WEIGHTS,
+                  metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(directory)
+    if merged_export:
+        _write_model(directory / MERGED_DIR, model, tokenizer)
 
 
 def _write_model(directory: Path, model: torch.nn.Module, tokenizer) -> None:
@@ -108,8 +107,6 @@ def merge_lora_checkpoint(directory: str | os.PathLike, base: str | os.PathLike 
     """A LoRA checkpoint as a model: its adapter merged into the base model, written once to directory/merged (an
     HF directory for init_from, launch.eval and vLLM) and returned. base: the base model, by default the one
     adapter_config.json names (the model the run trained from, as it was loaded)."""
-    from models.loading import load_model, load_tokenizer
-
     directory = Path(directory)
     merged = directory / MERGED_DIR
     if (merged / WEIGHTS).is_file():
@@ -137,38 +134,28 @@ def _rng_path(directory: Path) -> Path:
     return directory / "rng" / f"rank_{fsdp.rank():05d}.safetensors"
 
 
-def _write_rng(directory: Path, rng: torch.Generator | None) -> None:
+def _write_rng(directory: Path) -> None:
     path = _rng_path(directory)
     path.parent.mkdir(exist_ok=True)
     tensors = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         tensors.update({f"torch_cuda_{index}": state for index, state in enumerate(torch.cuda.get_rng_state_all())})
-    if rng is not None:
-        tensors["generator"] = rng.get_state()
-    version, python_state, gauss = random.getstate()
-    name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
-    save_file(tensors, path, metadata={
-        "python": json.dumps([version, python_state, gauss]),
-        "numpy": json.dumps([name, keys.tolist(), int(position), int(has_gauss), float(cached_gaussian)]),
-    })
+    name, keys, *numpy_rest = np.random.get_state()  # keys: a uint32 array; the rest plain ints and a float
+    save_file(tensors, path, metadata={"python": json.dumps(random.getstate()),
+                                       "numpy": json.dumps([name, keys.tolist(), *numpy_rest])})
 
 
-def _restore_rng(directory: Path, rng: torch.Generator | None) -> None:
-    path = _rng_path(directory)
-    with safe_open(path, framework="pt") as handle:
+def _restore_rng(directory: Path) -> None:
+    with safe_open(_rng_path(directory), framework="pt") as handle:
         states, tensors = handle.metadata(), {name: handle.get_tensor(name) for name in handle.keys()}
     torch.set_rng_state(tensors["torch_cpu"])
     cuda_states = [tensors[f"torch_cuda_{index}"] for index in range(len(tensors)) if f"torch_cuda_{index}" in tensors]
     if cuda_states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda_states)
-    if rng is not None:
-        if "generator" not in tensors:
-            raise ValueError(f"{path} holds no generator state, but load_checkpoint was given rng=")
-        rng.set_state(tensors["generator"])
     version, python_state, gauss = json.loads(states["python"])
     random.setstate((version, tuple(python_state), gauss))
-    name, keys, position, has_gauss, cached_gaussian = json.loads(states["numpy"])
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached_gaussian))
+    name, keys, *numpy_rest = json.loads(states["numpy"])
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *numpy_rest))
 
 
 def _fsync(path: Path) -> None:
@@ -207,20 +194,11 @@ def _seal(partial: Path, final: Path, step: int, state: dict) -> None:
     shutil.rmtree(previous, ignore_errors=True)
 
 
-def save_checkpoint(
-    directory: str | os.PathLike,
-    model: torch.nn.Module,
-    tokenizer,
-    optimizer: torch.optim.Optimizer | None,
-    step: int,
-    rng: torch.Generator | None = None,
-    extra: dict | None = None,
-    *,
-    merged_export: bool = False,
-) -> Path:
+def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, tokenizer,
+                    optimizer: torch.optim.Optimizer | None, step: int, extra: dict | None = None, *,
+                    merged_export: bool = False) -> Path:
     """Write a complete checkpoint to `directory` (e.g. runs/x/checkpoints/step_10); every rank must call it.
 
-    rng: a generator of the trainer's own to save besides the global torch / CUDA / python / numpy RNGs.
     extra: JSON-serialisable trainer state (data position, scheduler state, ...), returned by load_checkpoint.
     merged_export: for a LoRA model, also write the merged model to merged/.
     A write that fails on any rank raises CheckpointWriteError on every rank."""
@@ -240,7 +218,7 @@ def save_checkpoint(
         ("the adapter" if adapter else "the weights", lambda: _write_weights(partial, model, tokenizer, merged_export)),
         ("the optimizer state", lambda: optimizer is not None and fsdp.save_optimizer_state(
             str(partial / "optimizer"), model, optimizer)),
-        ("the random number generator states", lambda: _write_rng(partial, rng)),
+        ("the random number generator states", lambda: _write_rng(partial)),
         ("the completion marker", lambda: _seal(partial, final, step, state) if is_rank0 else None),
     ]
     for what, stage in stages:
@@ -313,10 +291,9 @@ def check_files(directory: Path) -> dict:
         if path.stat().st_size != size:
             raise ValueError(f"checkpoint file {path} has {path.stat().st_size} bytes, {size} were written: "
                              "it is damaged")
-    for relative, checksum in checksums.items():
-        if _crc32(directory / relative) != checksum:
-            raise ValueError(f"checkpoint file {directory / relative} is damaged: its CRC-32 differs from the one "
-                             f"written in {directory / MARKER}")
+        if _crc32(path) != checksums.get(relative):
+            raise ValueError(f"checkpoint file {path} is damaged: its CRC-32 differs from the one written in "
+                             f"{directory / MARKER}")
     return json.loads((directory / STATE).read_text())
 
 
@@ -346,13 +323,8 @@ def _verify(directory: Path, model: torch.nn.Module, optimizer) -> None:
                          f"{'adapter' if is_adapter else 'weights'}")
 
 
-def load_checkpoint(
-    directory: str | os.PathLike,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    *,
-    rng: torch.Generator | None = None,
-) -> tuple[int, dict]:
+def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None) -> tuple[int, dict]:
     """Restore the weights (a LoRA model: its adapter), optimizer state and RNG states from `directory` into a
     model prepared as for training (sharded or not; apply_lora with the same settings); return (step, extra).
     Every rank must call it. A damaged checkpoint raises before the model or optimizer is changed."""
@@ -371,7 +343,7 @@ def load_checkpoint(
     weights, file = _trained_weights(model)
     fsdp.load_full_weights(weights, load_file(directory / file) if fsdp.rank() == 0 else None)
     if state["world_size"] == fsdp.world_size():
-        _restore_rng(directory, rng)
+        _restore_rng(directory)
     else:
         warnings.warn(f"{directory} was saved by {state['world_size']} ranks and is resumed by {fsdp.world_size()}: "
                       f"{'adapter' if state.get('lora') else 'weights'} and optimizer state are restored, random "
