@@ -15,15 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-_LAYER_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                "mlp.up_proj", "mlp.down_proj", "mlp.act_fn", "input_layernorm", "post_attention_layernorm")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # transformers' classes: the modules _layers reads
 
 
 def supported(model: torch.nn.Module) -> bool:
     """True when `CPUDecoding` computes what `model`'s forward computes and can run here: a Llama-family decoder
     with full attention through sdpa (another attention implementation is the caller's choice and is kept), on CPU
-    in float32 or bfloat16, with torch's CPU flash-attention and oneDNN linear kernels."""
+    in float32 or bfloat16, with torch's oneDNN linear kernels (torch's CPU flash attention is always built)."""
     config, weight = model.config, model.get_input_embeddings().weight
     if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES or config._attn_implementation != "sdpa":
         return False
@@ -31,19 +29,8 @@ def supported(model: torch.nn.Module) -> bool:
         return False
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
         return False
-    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
-        return False
-    try:
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, torch.ops.mkldnn._linear_pointwise
-        torch.ops.mkldnn._reorder_linear_weight
-        decoder = model.get_decoder()
-        decoder.embed_tokens, decoder.norm, decoder.rotary_emb
-        for layer in decoder.layers:
-            for part in _LAYER_PARTS:
-                layer.get_submodule(part)
-    except (AttributeError, RuntimeError):
-        return False
-    return torch.backends.mkldnn.is_available()
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available())
 
 
 class Projection:
@@ -141,11 +128,7 @@ class CPUDecoding:
 
     def step(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """The next-token logits [A, V] after each live row's `tokens` [A] at `positions` [A, 1]."""
-        return self.head(self.decode(tokens, positions))[0]
-
-    def decode(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        """`step`'s final hidden states [A, H], before the head."""
-        return self._layers(tokens[:, None], positions, self._attend)
+        return self.head(self._layers(tokens[:, None], positions, self._attend))[0]
 
     def keep(self, rows: Tensor) -> None:
         """Keep live rows `rows` (finished rows leave; their prompt's keys stay while any of its rows needs them)."""

@@ -156,8 +156,9 @@ def test_reordered_projections_equal_the_modules_within_float_rounding(arch, bia
     with torch.no_grad():
         for decoding in (modules, packed):
             decoding.prefill(prompt, torch.ones_like(prompt), torch.arange(prompt.shape[1])[None].expand(3, -1))
-            hidden = decoding.decode(torch.tensor([5, 77, 4000]), torch.full((3, 1), prompt.shape[1]))
-            outputs.append((hidden, decoding.head(hidden)[0]))
+            head, decoding.head = decoding.head, lambda hidden: (hidden,)  # step's hidden states, before the head
+            hidden = decoding.step(torch.tensor([5, 77, 4000]), torch.full((3, 1), prompt.shape[1]))
+            outputs.append((hidden, head(hidden)[0]))
     (hidden, logits), (packed_hidden, packed_logits) = outputs
     assert hidden.abs().max() > 0.1  # a real signal, not zeros
     torch.testing.assert_close(packed_hidden, hidden, atol=1e-5, rtol=1e-5)
