@@ -1,31 +1,215 @@
-"""A local corpus index on infini-gram's suffix array: built by rewards/index_build.py, queried here.
+"""A local corpus index on infini-gram's suffix array: a jsonl corpus tokenised into its files, then queried.
 
     python -m rewards.corpus build --input corpus.jsonl --out DIR      # one {"text": ...} object per line
     python -m rewards.corpus count --index DIR --head "Marie Curie" --tail "Nobel Prize"
 
-The directory holds infini-gram's v4 files (tokenized.0, offset.0, table.0), vocab.txt (one word per line,
-id = line number) and nanogrpo-index.json (sizes, tokenizer), written last. The tokenizer is ours
-(rewards.cooccurrence); the engine finds each phrase's occurrences. It checks none of its files, so they are
-checked here, and a path holding a name it sorts its files by is opened through a neutral symlink.
+The directory holds infini-gram's v4 files (tokenized.0, offset.0, table.0, from its suffix-array builder
+`infini_gram.indexing.build_sa`), vocab.txt (one word per line, id = line number) and nanogrpo-index.json
+(sizes, tokenizer), written last. The tokenizer is ours (rewards.cooccurrence); the engine finds each phrase's
+occurrences. It checks none of its files, so check_index does.
+
+The token stream is 16-bit (docs/recipes.md, "Corpus counts", says why); ids that do not fit one token take two:
+
+    "u16"    every id is one token (ids 0..MAX_SINGLE_ID); one separator token 0xFFFF per document.
+    "u16x2"  every id v is the pair (1 + v // LOW_IDS, HIGH_IDS + 1 + v % LOW_IDS): first tokens lie in
+             [1, HIGH_IDS], second ones above, so a phrase's pattern matches only at the start of a pair; two
+             separator tokens per document, so every position is exactly twice its "u16" one.
+
+No token has 0xFF as its high byte, so the engine's byte-level search for the separator finds real ones only.
+
+infini-gram quirks handled here: the builder chdirs (restored), panics with several jobs on a tiny corpus (one
+CPU below 16 MiB) and calls exit(1) on failure (a RuntimeError here); the engine sorts its files by substrings
+of the FULL path ("tokenized", "table", "offset", "metadata"), so such a path is built elsewhere and moved, and
+opened through a neutral symlink.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import shutil
 import sys
 import tempfile
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 
 from rewards.cooccurrence import Clause, CooccurrenceCounter, ExternalTokenizer, WordTokenizer
-from rewards.index_build import (_ENGINE_NAME_PARTS, FORMAT, MAX_PAIR_ID, MAX_SINGLE_ID, META_FILE, TOKEN_WIDTH,
-                                 TOKENS_PER_ID, VERSION, VOCAB_FILE, _engine_safe, build_index, separator,
-                                 stored_tokens)
+
+META_FILE, VOCAB_FILE = "nanogrpo-index.json", "vocab.txt"
+FORMAT, VERSION = "nanogrpo-corpus-index", 2  # version 1: the "u16" layout, rare words capped
+ENGINE_FILES = ("tokenized.0", "offset.0", "table.0")
+_ENGINE_NAME_PARTS = ("tokenized", "table", "offset", "metadata", "metaoff")
+_ONE_CPU_BELOW_BYTES = 16 * 2**20
+TOKEN_WIDTH = 2  # bytes per stored token
+# The token layout (module docstring):
+SEPARATOR_ID = 0xFFFF
+MAX_SINGLE_ID = 0xFEFF
+HIGH_IDS = 32_639
+LOW_IDS = MAX_SINGLE_ID - HIGH_IDS  # 32,640
+MAX_PAIR_ID = HIGH_IDS * LOW_IDS - 1  # 1,065,336,959
+TOKENS_PER_ID = {"u16": 1, "u16x2": 2}
+
+
+def choose_layout(largest_id: int, where: str = "the corpus") -> str:
+    """"u16" when `largest_id` fits one token, else "u16x2"; ValueError naming the id beyond MAX_PAIR_ID.
+
+    >>> choose_layout(65_279), choose_layout(65_280), choose_layout(1_065_336_959)
+    ('u16', 'u16x2', 'u16x2')
+    """
+    if largest_id <= MAX_SINGLE_ID:
+        return "u16"
+    if largest_id <= MAX_PAIR_ID:
+        return "u16x2"
+    raise ValueError(f"{where} has token id {largest_id:,}, beyond the largest id the index stores, {MAX_PAIR_ID:,} "
+                     f"(two 16-bit tokens per id)")
+
+
+def stored_tokens(ids: np.ndarray, layout: str) -> np.ndarray:
+    """[N] int ids (0..MAX_PAIR_ID, or 0..MAX_SINGLE_ID for "u16") -> [N * TOKENS_PER_ID[layout]] uint16.
+
+    >>> stored_tokens(np.array([5, 32_640, 70_000]), "u16x2").tolist()
+    [1, 32645, 2, 32640, 3, 37360]
+    """
+    ids = np.asarray(ids, dtype=np.int64)
+    if layout == "u16":
+        return ids.astype(np.uint16)
+    pairs = np.stack([1 + ids // LOW_IDS, HIGH_IDS + 1 + ids % LOW_IDS], axis=1)
+    return pairs.reshape(-1).astype(np.uint16)
+
+
+def separator(layout: str) -> bytes:
+    """The bytes that open every document in the token stream."""
+    return np.full(TOKENS_PER_ID[layout], SEPARATOR_ID, dtype=np.uint16).tobytes()
+
+
+def _engine_safe(path: Path) -> bool:
+    return not any(part in str(path.resolve()) for part in _ENGINE_NAME_PARTS)
+
+
+def read_texts(input_path: Path, text_field: str = "text") -> Iterator[str]:
+    """The `text_field` string of every non-blank line; ValueError naming the file and line otherwise."""
+    with open(input_path, encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{input_path}:{line_number}: not valid JSON ({error.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                raise ValueError(f"{input_path}:{line_number}: expected an object with a string field "
+                                 f"{text_field!r}")
+            yield record[text_field]
+
+
+def _run_builder(work_dir: Path, data_bytes: int, cpus: int | None) -> None:
+    """infini-gram's suffix-array builder on work_dir/tokenized.0 -> work_dir/table.0."""
+    from infini_gram import indexing  # imported here: only building needs it
+
+    if cpus is None:
+        cpus = 1 if data_bytes < _ONE_CPU_BELOW_BYTES else min(os.cpu_count() or 1, 8)
+    memory_gib = max(1, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**30 // 2)
+    arguments = argparse.Namespace(save_dir=str(work_dir), temp_dir=str(work_dir), cpus=cpus, mem=memory_gib,
+                                   shards=1, workers=1, worker_id=0, token_width=TOKEN_WIDTH)
+    working_directory, captured = os.getcwd(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+            indexing.build_sa(arguments)
+    except SystemExit:  # the builder reports a failed Rust step with exit(1)
+        raise RuntimeError(f"infini-gram's suffix-array builder failed in {work_dir}:\n"
+                           f"{captured.getvalue()[-2000:]}") from None
+    finally:
+        os.chdir(working_directory)
+    if not (work_dir / "table.0").exists():
+        raise RuntimeError(f"infini-gram's builder wrote no table.0 in {work_dir}:\n{captured.getvalue()[-2000:]}")
+
+
+def _encode_corpus(input_path: Path, text_field: str, tokenizer: WordTokenizer | ExternalTokenizer,
+                   ids_path: Path) -> tuple[np.ndarray, int]:
+    """Pass 1: every document's ids into ids_path (uint32); returns (ids per document, largest id)."""
+    lengths, largest = [], 0
+    with open(ids_path, "wb") as handle:
+        for text in read_texts(input_path, text_field):
+            ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
+            if len(ids) and ids.min() < 0:
+                raise ValueError(f"{input_path}: document {len(lengths)} has a negative token id {ids.min()}")
+            largest = max(largest, int(ids.max()) if len(ids) else 0)
+            handle.write(ids.astype(np.uint32).tobytes())
+            lengths.append(len(ids))
+    return np.asarray(lengths, dtype=np.int64), largest
+
+
+def _write_tokens(ids_path: Path, lengths: np.ndarray, layout: str, work_dir: Path) -> int:
+    """Pass 2, infini-gram's v4 layout: tokenized.0 = per document the separator then its stored tokens;
+    offset.0 = the uint64 byte offset of each document. Returns the bytes of tokenized.0."""
+    ids = np.memmap(ids_path, dtype=np.uint32, mode="r") if lengths.sum() else np.zeros(0, dtype=np.uint32)
+    opening, data_bytes, start = separator(layout), 0, 0
+    with open(work_dir / "tokenized.0", "wb") as data, open(work_dir / "offset.0", "wb") as offsets:
+        for length in lengths:
+            offsets.write(np.uint64(data_bytes).tobytes())
+            payload = opening + stored_tokens(ids[start:start + length], layout).tobytes()
+            data.write(payload)
+            data_bytes += len(payload)
+            start += length
+    return data_bytes
+
+
+def build_index(input_path: str | os.PathLike, out_dir: str | os.PathLike, *, text_field: str = "text",
+                encode_fn: Callable[[str], list[int]] | None = None, tokenizer_name: str = "external",
+                cpus: int | None = None) -> Path:
+    """Build a corpus index from a jsonl file into out_dir (created, or empty) and return its path. encode_fn:
+    None for the WordTokenizer fitted on the corpus, else any tokenizer's encode (ids >= 0)."""
+    input_path, out_dir = Path(input_path), Path(out_dir)
+    if not input_path.is_file():
+        raise FileNotFoundError(f"corpus file {input_path} does not exist")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ValueError(f"index directory {out_dir} exists and is not empty; choose a new --out")
+    if encode_fn is None:
+        tokenizer: WordTokenizer | ExternalTokenizer = WordTokenizer.fit(read_texts(input_path, text_field))
+        if len(tokenizer.vocabulary) > MAX_PAIR_ID:  # fails before anything is written
+            raise ValueError(f"{input_path} has {len(tokenizer.vocabulary):,} distinct words; the index holds at most "
+                             f"{MAX_PAIR_ID:,} (two 16-bit tokens per word id)")
+    else:
+        tokenizer = ExternalTokenizer(encode_fn, tokenizer_name)
+    created = not out_dir.exists()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work_dir = out_dir if _engine_safe(out_dir) else Path(tempfile.mkdtemp(prefix="nanogrpo-index-build-"))
+    try:
+        lengths, largest = _encode_corpus(input_path, text_field, tokenizer, work_dir / "ids.tmp")
+        if len(lengths) == 0:
+            raise ValueError(f"corpus file {input_path} holds no document")
+        layout = choose_layout(largest, str(input_path))
+        data_bytes = _write_tokens(work_dir / "ids.tmp", lengths, layout, work_dir)
+        (work_dir / "ids.tmp").unlink()
+        _run_builder(work_dir, data_bytes, cpus)
+        tokens = data_bytes // TOKEN_WIDTH
+        pointer_bytes = (work_dir / "table.0").stat().st_size // tokens
+        if work_dir != out_dir:
+            for name in ENGINE_FILES:
+                shutil.move(str(work_dir / name), str(out_dir / name))
+    except BaseException:  # leave no half-built index behind (out_dir was absent or empty)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        if not created:
+            out_dir.mkdir()
+        raise
+    finally:
+        if work_dir != out_dir:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    if isinstance(tokenizer, WordTokenizer):
+        (out_dir / VOCAB_FILE).write_text("".join(word + "\n" for word in tokenizer.vocabulary), encoding="utf-8")
+        tokenizer_meta: dict = {"kind": "word", "words": len(tokenizer.vocabulary)}
+    else:
+        tokenizer_meta = {"kind": "external", "name": tokenizer_name, "fingerprint": tokenizer.fingerprint()}
+    meta = {"format": FORMAT, "version": VERSION, "source": str(input_path), "text_field": text_field,
+            "token_dtype": "u16", "layout": layout, "documents": len(lengths), "tokens": tokens,
+            "data_bytes": data_bytes, "pointer_bytes": pointer_bytes, "tokenizer": tokenizer_meta}
+    (out_dir / META_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    return out_dir
 
 
 def check_index(path: Path) -> dict:

@@ -17,9 +17,8 @@ from bench.cooccurrence import engine_count
 from memory_counter import MemoryCounter
 from rewards import compute_score
 from rewards.cooccurrence import ExternalTokenizer
-from rewards.corpus import CorpusIndex, build_index
+from rewards.corpus import MAX_PAIR_ID, MAX_SINGLE_ID, CorpusIndex, build_index
 from rewards.factqa import count_reward
-from rewards.index_build import MAX_PAIR_ID, MAX_SINGLE_ID
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["Marie Curie won the Nobel Prize in Physics.", "Paris is the capital of France.",
@@ -285,7 +284,7 @@ def test_ids_beyond_the_index_fail_at_build_time_naming_the_number(tmp_path):
 
 def test_more_distinct_words_than_the_index_holds_fail_naming_the_number(tmp_path, monkeypatch):
     # a billion distinct words cannot be made in a test: the limit is lowered to 3 instead
-    monkeypatch.setattr("rewards.index_build.MAX_PAIR_ID", 3)
+    monkeypatch.setattr("rewards.corpus.MAX_PAIR_ID", 3)
     with pytest.raises(ValueError, match="has 4 distinct words; the index holds at most 3"):
         build_index(write_jsonl(tmp_path / "c.jsonl", ["a b", "c d"]), tmp_path / "index")
     assert not (tmp_path / "index").exists()
