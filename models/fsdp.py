@@ -6,7 +6,6 @@ callers need no branches.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -82,12 +81,11 @@ def first_error(error: BaseException | None) -> tuple[int, str] | None:
 
 def shard(model: torch.nn.Module, mesh, *, param_dtype: torch.dtype | None) -> torch.nn.Module:
     """Shard `model` in place with FSDP2 over the 1-D `mesh` and return it: each decoder layer, then the root.
-
-    The root (embeddings, final norm, lm_head; a tied lm_head is the embedding's own parameter) is never
-    resharded after forward: its gathered lm_head weight is what models.logprobs.completion_logprobs projects
-    the hidden states with between forward and backward. Gradients are reduced in fp32 and summed, not
-    averaged, over ranks (the losses divide by the global token count; sum-only collectives also run on gloo).
     param_dtype: the dtype of gathered parameters in forward/backward (None: the parameters' own dtype).
+
+    The root (embeddings, final norm, lm_head) is never resharded after forward: its gathered lm_head weight is
+    what models.logprobs projects the hidden states with between forward and backward. Gradients are reduced in
+    fp32 and summed over ranks, not averaged (the losses divide by the global token count; gloo sums too).
     """
     # The decoder layers: the repeated blocks, whose class names HF lists in `_no_split_modules`.
     names = set(getattr(model, "_no_split_modules", None) or [])
@@ -133,12 +131,9 @@ def named_weights(model: torch.nn.Module) -> list[tuple[str, Tensor]]:
 
 
 def full_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """Stream (HF name, full tensor) for every parameter and persistent buffer, the same order on every rank.
-
-    Every rank must consume the whole iterator: gathering a sharded tensor is a collective. A tied
-    lm_head.weight is not repeated (HF's save_pretrained and vLLM's load_weights both accept that).
-    Tensors come in the parameters' stored dtype (fp32 master weights under mixed precision), detached.
-    """
+    """Stream (HF name, full tensor, detached, in its stored dtype) for every parameter and persistent buffer, in
+    the same order on every rank, which must each consume the whole iterator (gathering a shard is a collective).
+    A tied lm_head.weight is not repeated (HF's save_pretrained and vLLM's load_weights both accept that)."""
     for name, tensor in named_weights(model):
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         yield name, full.detach()
@@ -157,8 +152,8 @@ def shape_mismatch(expected: dict[str, tuple], given: dict[str, tuple]) -> str |
 
 @torch.no_grad()
 def copy_from_rank0(target: Tensor, source: Tensor | None) -> None:
-    """Copy rank 0's full tensor `source` (None on the other ranks) into `target`, a parameter or buffer: into
-    each rank's shard of a DTensor, by a broadcast into a replicated tensor, or by a plain copy in one process."""
+    """Copy rank 0's full tensor `source` (None on the other ranks) into `target`, a parameter or buffer: a
+    DTensor's shards, a replicated tensor (by a broadcast), or a plain one in one process."""
     if isinstance(target, DTensor):
         if source is None:
             source = torch.empty(target.shape, dtype=target.dtype, device=target.device)
@@ -177,7 +172,7 @@ def copy_from_rank0(target: Tensor, source: Tensor | None) -> None:
 
 def load_full_weights(weights: list[tuple[str, Tensor]], state_dict: dict[str, Tensor] | None) -> None:
     """Copy full tensors (held by rank 0; others pass None) into `weights` (named_weights, or a subset of them),
-    checked first: every name and shape is compared before anything is copied, so nothing half-loads."""
+    every name and shape compared first, so nothing half-loads."""
     mismatch = None
     if rank() == 0:
         mismatch = shape_mismatch({name: tuple(tensor.shape) for name, tensor in weights},
@@ -187,26 +182,18 @@ def load_full_weights(weights: list[tuple[str, Tensor]], state_dict: dict[str, T
         copy_from_rank0(target, state_dict[name] if rank() == 0 else None)
 
 
-def load_sharded_model(
-    name_or_path=None,
-    mesh=None,
-    *,
-    param_dtype: torch.dtype | None = torch.bfloat16,
-    device: str | torch.device = "cpu",
-    attn_implementation: str = "auto",
-    gradient_checkpointing: bool = False,
-    trust_remote_code: bool = False,
-    dtype: torch.dtype = torch.float32,
-    prepare: Callable[[torch.nn.Module], object] | None = None,
-) -> torch.nn.Module:
-    """Rank 0 reads the pretrained weights (in `dtype`, the master weights' dtype); every rank builds the model
-    on `meta`, shards it, allocates only its shards on `device`, and receives them from rank 0. Peak memory on
-    ranks > 0 is one shard set; rank 0 holds the full model once more while it loads.
+def load_sharded_model(name_or_path=None, mesh=None, *, param_dtype: torch.dtype | None = torch.bfloat16,
+                       device: str | torch.device = "cpu", attn_implementation: str = "auto",
+                       gradient_checkpointing: bool = False, trust_remote_code: bool = False,
+                       dtype: torch.dtype = torch.float32, prepare: Callable[[torch.nn.Module], object] | None = None
+                       ) -> torch.nn.Module:
+    """Rank 0 reads the pretrained weights (in `dtype`, the master weights'); every rank builds the model on
+    `meta`, shards it, allocates only its shards on `device` and receives them from rank 0. Ranks > 0 peak at
+    one shard set; rank 0 holds the full model once more while it loads.
 
-    prepare: called on the meta model of every rank before sharding (after gradient checkpointing is
-    enabled) and on rank 0's pretrained copy before its weights are sent, e.g. to inject LoRA adapters
-    (models.lora.apply_lora): both sides then name the same parameters, and rank 0's values (the adapters'
-    seeded initialisation included) are what every rank receives."""
+    prepare: called on every rank's meta model before sharding (after gradient checkpointing is enabled) and on
+    rank 0's pretrained copy, e.g. models.lora.apply_lora: both then name the same parameters, and every rank
+    receives rank 0's values (the adapters' seeded initialisation included)."""
     directory, error = None, None
     if rank() == 0:
         try:
@@ -243,20 +230,18 @@ def load_sharded_model(
     return model
 
 
-@contextlib.contextmanager
-def _quiet_dcp():
-    # Without a process group DCP warns that it assumes a single process, which is exactly the intent here.
+def _dcp(function, state: dict, path: str) -> None:
+    """dcp.save or dcp.load of `state` at `path` over this package's group (or this process alone)."""
     with warnings.catch_warnings():
+        # Without a process group DCP warns that it assumes a single process, which is exactly the intent here.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
+        function(state, checkpoint_id=path, no_dist=not is_distributed(), process_group=_GROUP)
 
 
 def save_optimizer_state(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """torch.distributed.checkpoint files of the optimizer state (each rank writes its shards), keyed by
     parameter name, so a resume can even change how the model is wrapped."""
-    with _quiet_dcp():
-        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path,
-                 no_dist=not is_distributed(), process_group=_GROUP)
+    _dcp(dcp.save, {"optimizer": get_optimizer_state_dict(model, optimizer)}, path)
 
 
 def load_optimizer_state(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -266,8 +251,7 @@ def load_optimizer_state(path: str, model: torch.nn.Module, optimizer: torch.opt
     target = tree_map(lambda value: value.clone() if isinstance(value, Tensor) else value,
                       {"optimizer": get_optimizer_state_dict(model, optimizer)})
     try:
-        with _quiet_dcp():
-            dcp.load(target, checkpoint_id=path, no_dist=not is_distributed(), process_group=_GROUP)
+        _dcp(dcp.load, target, path)
     except Exception as error:
         raise ValueError(f"optimizer state in {path} does not match this model/optimizer or is damaged: "
                          f"{error}") from error
