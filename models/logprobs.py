@@ -1,11 +1,10 @@
 """Per-token logprobs and entropies of the completion tokens under a model, temperature-scaled, in fp32.
 
-`completion_logprobs` runs the model, keeps only its final hidden states, and projects them to the vocabulary
-only at real completion positions, a chunk at a time (models.chunked_softmax), so the [B, Lp+T, V] logits never
-exist. B sequences, Lp prompt columns, T completion columns, V vocabulary, H hidden size, M real completion
-tokens. A pad_batch micro-batch runs one of three ways, all with the same values up to float rounding: plain
-(B x (Lp+T)), shared prompts (each distinct prompt once, the completions on its KV cache) and packed (one
-padding-free row, each distinct prompt once, attention per segment: models.attention).
+`completion_logprobs` keeps the model's final hidden states and projects them to the vocabulary only at real
+completion positions, a chunk at a time (models.chunked_softmax), so the [B, Lp+T, V] logits never exist.
+B sequences, Lp prompt columns, T completion columns, V vocabulary, H hidden size, M real completion tokens.
+A micro-batch runs one of three ways, with the same values up to float rounding: plain (B x (Lp+T)), shared
+prompts (each distinct prompt once, the completions on its KV cache) and packed (one padding-free row).
 """
 from __future__ import annotations
 
@@ -56,13 +55,7 @@ def dropout_active(model: torch.nn.Module) -> bool:
 
 def prompt_groups(input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> tuple[Tensor, Tensor]:
     """The distinct prompts of a pad_batch layout: (unique_rows [U] long, prompt_index [B] long), where
-    unique_rows[u] is the first row holding prompt u and row b holds prompt prompt_index[b].
-
-    >>> ids = torch.tensor([[0, 5, 9], [0, 5, 8], [4, 5, 7]])
-    >>> rows, index = prompt_groups(ids, (ids != 0).long(), prompt_len=2)
-    >>> rows.tolist(), index.tolist()
-    ([0, 2], [0, 0, 1])
-    """
+    unique_rows[u] is the first row holding prompt u and row b holds prompt prompt_index[b]."""
     # The mask joins the ids so a real token equal to pad_id is not taken for padding.
     prompts = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len]], dim=1)
     _, inverse = torch.unique(prompts, dim=0, return_inverse=True)
@@ -77,21 +70,13 @@ def prompt_groups(input_ids: Tensor, attention_mask: Tensor, prompt_len: int) ->
 
 @dataclass(frozen=True)
 class PackedBatch:
-    """A pad_batch micro-batch as one packed row.
+    """A pad_batch micro-batch as one packed row of N tokens, for its M real completion tokens."""
 
-    input_ids, position_ids: [1, N] long (positions restart at 0 for each prompt; a completion continues
-                             from its prompt's length, as pad_batch numbers it).
-    segments:      tuple of (start, end, prefix_start, prefix_end), tiling [0, N) in order (models.attention).
-    predict_index: [M] long, the packed position whose final hidden state predicts each completion token,
-                   for the M real completion tokens in row-major order of completion_mask.
-    labels:        [M] long, those completion tokens.
-    """
-
-    input_ids: Tensor
-    position_ids: Tensor
-    segments: tuple[tuple[int, int, int, int], ...]
-    predict_index: Tensor
-    labels: Tensor
+    input_ids: Tensor  # [1, N] long
+    position_ids: Tensor  # [1, N] long: from 0 for each prompt; a completion continues from its prompt's length
+    segments: tuple[tuple[int, int, int, int], ...]  # (start, end, prefix_start, prefix_end) tiling [0, N)
+    predict_index: Tensor  # [M] long: the position whose final hidden state predicts each, in completion_mask order
+    labels: Tensor  # [M] long: those completion tokens
 
 
 def pack_batch(batch: dict, prompt_index: Tensor | None = None) -> PackedBatch:
@@ -160,8 +145,8 @@ def unpackable(model) -> str | None:
 
 
 def _packed_hidden(model, batch: dict, prompt_index: Tensor | None, captured: dict, device) -> tuple[Tensor, Tensor]:
-    """The packed pass (one forward): hidden states [M, H] and labels [M] as _completion_hidden returns them.
-    prompt_index: [B], rows that share a packed prompt, or None."""
+    """The packed pass (one forward), returning what _completion_hidden does; prompt_index [B] or None as pack_batch
+    takes it."""
     reason = unpackable(model)
     if reason is not None:
         raise ValueError(reason)
@@ -181,13 +166,9 @@ def _packed_hidden(model, batch: dict, prompt_index: Tensor | None, captured: di
 
 def _shared_prompt_hidden(model, batch: dict, prompt_len: int, unique_rows: Tensor, prompt_index: Tensor,
                           captured: dict, **attention_kwargs) -> Tensor:
-    """Final hidden states [B, T, H] predicting each completion token, with each distinct prompt run once.
-
-    Pass 1 runs the U distinct prompts ([U, Lp]) and keeps their KV cache; the cache is then gathered to the
-    B rows (prompt_index) and pass 2 runs the completions ([B, T]) on it. Gradients reach the prompt pass
-    through the cache. Column t of the result predicts completion token t: the prompt's last hidden state
-    for t = 0, completion column t-1 after.
-    """
+    """Final hidden states [B, T, H], column t predicting completion token t, with each distinct prompt run once:
+    the U distinct prompts [U, Lp] keep their KV cache, gathered to the B rows (prompt_index), and the
+    completions [B, T] run on it (gradients reach the prompt pass through the cache)."""
     prompt = {key: value[unique_rows, :prompt_len] for key, value in batch.items()}
     cache = model(**prompt, use_cache=True, logits_to_keep=1, **attention_kwargs).past_key_values
     last_prompt_hidden = captured["hidden"][:, -1:]
@@ -226,8 +207,7 @@ def _completion_hidden(model, batch: dict, *, share_prompts: bool, packed: bool)
         on_cache = shared and not checkpointing and not (fsdp.is_sharded(model) and fsdp.world_size() > 1)
         if packed or (shared and not on_cache and unpackable(model) is None):
             return _packed_hidden(model, batch, prompt_index if shared else None, captured, device)
-        # On CPU, transformers' sdpa copies every key/value head num_key_value_groups times whenever a mask is
-        # passed (and its backward sums the copies back); torch's kernel takes grouped-query attention natively
+        # On CPU, grouped-query attention by torch's kernel instead of transformers' copies of the key/value heads
         # (models.attention): faster, with the same logprobs.
         native = model.config._attn_implementation == "sdpa" and device.type == "cpu"
         attention_kwargs = {"native_gqa": True} if native else {}
@@ -245,28 +225,18 @@ def _completion_hidden(model, batch: dict, *, share_prompts: bool, packed: bool)
         handle.remove()
 
 
-def completion_logprobs(
-    model: torch.nn.Module,
-    batch: dict,
-    *,
-    temperature: float = 1.0,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    with_entropy: bool = False,
-    share_prompts: bool = True,
-    packed: bool = False,
-    vocab_size: int | None = None,
-) -> tuple[Tensor, Tensor | None]:
+def completion_logprobs(model: torch.nn.Module, batch: dict, *, temperature: float = 1.0,
+                        chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False, share_prompts: bool = True,
+                        packed: bool = False, vocab_size: int | None = None) -> tuple[Tensor, Tensor | None]:
     """Logprobs (and optionally entropies) of the completion tokens under `model`, scaled by temperature.
 
     batch: the dict of models.batching.pad_batch (input_ids, attention_mask, position_ids [B, Lp+T],
            completion_mask [B, T], prompt_len Lp).
     Returns (logprobs [B, T] float32, entropy [B, T] float32 or None); both are 0 where completion_mask is 0.
     Differentiable with respect to the model's parameters, for a plain HF model and an FSDP2-sharded one.
-    share_prompts: when rows repeat a prompt (GRPO's G completions per prompt), run each distinct prompt once:
-           the completions on its KV cache, or (under gradient checkpointing, and on a model sharded over
-           several ranks) by the packed pass where the model can pack. False: the plain pass.
-    packed: run the micro-batch as one padding-free packed row (pack_batch): each distinct prompt once (with
-           share_prompts) and every completion at its own length, U*Lp + sum(T_b) tokens.
+    share_prompts: when rows repeat a prompt (GRPO's G completions per prompt), run each distinct prompt once
+           (on its KV cache; packed under gradient checkpointing or FSDP over ranks). False: the plain pass.
+    packed: run the micro-batch as one padding-free packed row (pack_batch), U*Lp + sum(T_b) tokens.
     vocab_size: normalise over the first vocab_size rows of the output projection only: the ids an engine can
            sample (`sampleable_vocab_size`). A model whose embedding is padded beyond its tokenizer (Qwen2.5:
            151,936 rows for 151,665 tokens) gives the padded rows some probability mass; the engines never
@@ -282,10 +252,9 @@ def completion_logprobs(
         raise ValueError(f"input_ids must be [B, Lp+T], got shape {tuple(input_ids.shape)}")
     batch_size, completion_len = input_ids.shape[0], input_ids.shape[1] - prompt_len
     if prompt_len < 1 or completion_mask.shape != (batch_size, completion_len):
-        raise ValueError(
-            f"completion_mask {tuple(completion_mask.shape)} does not fit input_ids {tuple(input_ids.shape)} "
-            f"with prompt_len {prompt_len} (expected ({batch_size}, {completion_len}))"
-        )
+        raise ValueError(f"completion_mask {tuple(completion_mask.shape)} does not fit input_ids "
+                         f"{tuple(input_ids.shape)} with prompt_len {prompt_len} (expected ({batch_size}, "
+                         f"{completion_len}))")
     for key, neutral in _UNSUPPORTED_LOGIT_TRANSFORMS.items():
         value = getattr(model.config, key, neutral)
         if value is not None and value != neutral:
