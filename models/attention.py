@@ -2,14 +2,13 @@
 `install_dispatch` wraps those, and a call that carries one of our keyword arguments (a model forwards them to
 every attention layer, also when gradient checkpointing recomputes one) runs ours.
 
-- native_gqa=True: `sdpa_native_gqa`, transformers' sdpa except that grouped-query attention (fewer key/value
-  heads than query heads) is left to torch's kernel (`enable_gqa=True`) instead of copying every key and value
-  head `num_key_value_groups` times (transformers' `repeat_kv`, which it does on CPU whenever a mask is passed).
-- packed_segments: packed attention, for one padding-free row of segments (models.logprobs.pack_batch): segment
-  (start, end, prefix_start, prefix_end) has queries [start, end) that attend to keys [prefix_start, prefix_end)
-  in full and causally to [start, end), so no token sees another sequence. One sdpa call per segment, or, for a
-  model loaded with flash_attention_2 (packed_varlen given), one flash_attn_varlen_func call over keys gathered
-  per segment.
+- native_gqa=True: transformers' sdpa, except that grouped-query attention is left to torch's kernel
+  (`enable_gqa=True`) instead of copying each key/value head `num_key_value_groups` times (`repeat_kv`, which
+  transformers does on CPU whenever a mask is passed).
+- packed_segments: one padding-free row of segments (models.logprobs.pack_batch); segment (start, end,
+  prefix_start, prefix_end) has queries [start, end) that attend to keys [prefix_start, prefix_end) in full and
+  causally to [start, end). One sdpa call per segment, or with flash_attention_2 (packed_varlen given) one
+  flash_attn_varlen_func call over keys gathered per segment.
 """
 from __future__ import annotations
 
@@ -19,12 +18,10 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-# Keyword arguments that change what attention computes and that sdpa_native_gqa does not implement: with any of
-# them set it hands the call to transformers' own sdpa function (which handles or rejects them).
+# Keyword arguments that sdpa_native_gqa does not implement: it hands such a call to transformers' own sdpa.
 _DELEGATED_KWARGS = ("softcap", "sliding_window", "s_aux", "sinks", "position_bias")
 
-# The implementations whose registered function install_dispatch wraps (eager has no registered function to
-# wrap: transformers calls each model file's own eager function directly).
+# The implementations whose registered function install_dispatch wraps (transformers calls eager directly).
 PACKABLE_IMPLEMENTATIONS = ("sdpa", "flash_attention_2")
 
 

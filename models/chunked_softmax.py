@@ -13,12 +13,9 @@ from torch import Tensor
 
 
 def fp32_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """hidden [C, H] @ weight [V, H].T (+ bias) -> [C, V] float32, never rounded to a half dtype on the way.
-
-    fp32 weights: one fp32 product. Half-precision weights (FSDP2's bf16 compute) on CUDA: the products in
-    their dtype, accumulated and written in fp32 (torch.mm's out_dtype); elsewhere both sides are cast to fp32
-    first (exact). A bf16 output, as a model's own lm_head gives, rounds logits of ~20 by up to 0.06.
-    """
+    """hidden [C, H] @ weight [V, H].T (+ bias) -> [C, V] float32, never rounded to a half dtype on the way (a
+    bf16 output, as a model's own lm_head gives, rounds logits of ~20 by up to 0.06). Half-precision weights
+    on CUDA: products in their dtype, accumulated in fp32 (torch.mm's out_dtype); elsewhere fp32 throughout."""
     with torch.autocast(hidden.device.type, enabled=False):
         if weight.dtype != torch.float32 and hidden.is_cuda:
             logits = torch.mm(hidden.to(weight.dtype), weight.t(), out_dtype=torch.float32)
@@ -35,9 +32,8 @@ class LogprobsFromHidden(torch.autograd.Function):
     """(hidden [N, H], weight [V, H], bias [V] or None, labels [N], temperature, chunk_size, with_entropy)
     -> (logprobs [N] fp32, entropy [N] fp32, or [0] when not requested).
 
-    Each chunk's logits are fp32_logits(hidden, weight, bias), and its statistics the textbook
-    log_softmax(z).gather and -(p * log p).sum row by row, so the values equal the unchunked ones bit for bit.
-    The weight gradient is accumulated in fp32 across chunks and cast to the weight's dtype once at the end.
+    Each chunk's statistics are the textbook log_softmax(z).gather and -(p * log p).sum, so the values equal
+    the unchunked ones bit for bit; the weight gradient is accumulated in fp32 and cast once at the end.
     """
 
     @staticmethod

@@ -22,14 +22,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def resolve_model_dir(name_or_path: str | os.PathLike | None, *, need_weights: bool = True) -> Path:
-    """Turn a model name into a local HF directory (config.json + weights).
-
-    None -> the embedded default (converted into the cache on first use); a directory -> itself, a LoRA
-    checkpoint -> its adapter merged into the base model (models.checkpoint.merge_lora_checkpoint);
-    a `.gguf` file -> its converted cache directory; `org/name` that is not a path -> its snapshot in the
-    local Hugging Face cache, never fetched from the network. need_weights=False accepts a directory that
-    holds only a tokenizer.
-    """
+    """A model name as a local HF directory (config.json + weights): None -> the embedded default; a directory ->
+    itself, a LoRA checkpoint -> its merged model (models.checkpoint.merge_lora_checkpoint); a `.gguf` file -> its
+    converted cache directory; `org/name` that is not a path -> its snapshot in the local Hugging Face cache.
+    need_weights=False accepts a directory that holds only a tokenizer."""
     if name_or_path is None:
         return embedded.convert_gguf(embedded.embedded_gguf_path())
     text = str(name_or_path)
@@ -89,26 +85,16 @@ def resolve_attn_implementation(attn_implementation: str, device: str | torch.de
     return choose_attention(attn_implementation, device_type, dtype, flash)
 
 
-def load_model(
-    name_or_path: str | os.PathLike | None = None,
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    attn_implementation: str = "auto",
-    gradient_checkpointing: bool = False,
-    trust_remote_code: bool = False,
-) -> torch.nn.Module:
+def load_model(name_or_path: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu", attn_implementation: str = "auto",
+               gradient_checkpointing: bool = False, trust_remote_code: bool = False) -> torch.nn.Module:
     """Load a causal LM (AutoModelForCausalLM) onto `device` in `dtype`; see resolve_model_dir for names."""
     from transformers import AutoModelForCausalLM
 
     directory = resolve_model_dir(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(
-        directory,
-        dtype=dtype,
-        attn_implementation=resolve_attn_implementation(attn_implementation, device, dtype),
-        trust_remote_code=trust_remote_code,
-        local_files_only=True,
-    )
+        directory, dtype=dtype, attn_implementation=resolve_attn_implementation(attn_implementation, device, dtype),
+        trust_remote_code=trust_remote_code, local_files_only=True)
     model.to(device)
     if gradient_checkpointing:
         # Non-reentrant checkpointing works with inputs that do not require grad and with FSDP2.
@@ -137,9 +123,7 @@ def load_tokenizer(name_or_path: str | os.PathLike | None = None, *, trust_remot
         # Padded positions are always masked out of attention and loss, so reusing EOS is safe.
         tokenizer.pad_token = tokenizer.eos_token
     if not tokenizer.chat_template:
-        raise ValueError(
-            f"the tokenizer in {directory} has no chat template; every prompt here is a chat, so add one "
-            f"({directory / 'chat_template.jinja'} or 'chat_template' in tokenizer_config.json), "
-            "e.g. copied from the instruct variant of the same model"
-        )
+        raise ValueError(f"the tokenizer in {directory} has no chat template; every prompt here is a chat, so add one "
+                         f"({directory / 'chat_template.jinja'} or 'chat_template' in tokenizer_config.json), "
+                         "e.g. copied from the instruct variant of the same model")
     return tokenizer

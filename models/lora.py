@@ -2,11 +2,10 @@
 reference (adapters disabled), and merged weights W + scale * B @ A streamed under the base HF names for the
 rollout engine (models.checkpoint writes the adapter in peft's format).
 
-Why `inject_adapter_in_model` rather than `get_peft_model`: the model stays the same LlamaForCausalLM /
-Qwen3ForCausalLM object (no PeftModel wrapper and no "base_model.model." prefix), so FSDP2 still finds its
-decoder layers (each layer's adapters are sharded with it), gradient checkpointing and the fused logprob
-pass still work, and a base name is recovered by dropping ".base_layer". Parameter names become
-`...q_proj.base_layer.weight`, `...q_proj.lora_A.default.weight` [r, in], `...q_proj.lora_B.default.weight` [out, r].
+Why `inject_adapter_in_model` rather than `get_peft_model`: the model stays the same LlamaForCausalLM object (no
+PeftModel wrapper, no "base_model.model." prefix), so FSDP2 still finds its decoder layers, gradient checkpointing
+and the fused logprob pass still work, and a base name is recovered by dropping ".base_layer". Parameter names
+become `...q_proj.base_layer.weight`, `...q_proj.lora_A.default.weight` [r, in], `...lora_B.default.weight` [out, r].
 """
 from __future__ import annotations
 
@@ -26,24 +25,16 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 _ADAPTED = re.compile(rf"(.+)\.(?:base_layer\.(\w+)|(lora_[AB])\.{ADAPTER}\.weight)")
 
 
-def apply_lora(
-    model: torch.nn.Module,
-    *,
-    rank: int,
-    alpha: float,
-    dropout: float = 0.0,
-    target_modules: Sequence[str] = DEFAULT_TARGETS,
-    seed: int = 0,
-) -> torch.nn.Module:
+def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: float = 0.0,
+               target_modules: Sequence[str] = DEFAULT_TARGETS, seed: int = 0) -> torch.nn.Module:
     """Inject a LoRA adapter (B initialised to 0, so the model's outputs are unchanged) into every nn.Linear
     named by `target_modules` (a module matches "q_proj" when its name is "q_proj" or ends with ".q_proj",
     peft's rule); freeze everything else and return `model`. Call it on the plain model, after gradient
     checkpointing is enabled and before models.fsdp.shard; the optimizer gets the parameters that require grad.
 
     rank: r of A [r, in] and B [out, r]; alpha: the update is scaled by alpha / r; dropout: on the adapter's
-    input, active only in train mode; seed: A's random initialisation, drawn from its own generator so that
-    every rank builds the same adapter and the global RNG is left untouched. (grpo.config.LoraConfig checks
-    the ranges of rank, alpha and dropout.)
+    input, in train mode only (grpo.config.LoraConfig checks the three ranges); seed: A's initialisation, from
+    its own generator, so every rank builds the same adapter and the global RNG is left untouched.
     """
     from peft import LoraConfig, inject_adapter_in_model
 
@@ -75,7 +66,6 @@ def _check_targets(model: torch.nn.Module, targets: list[str]) -> None:
         for name in matched:
             module = modules[name]
             if module is output:
-                # models.logprobs projects with lm_head.weight directly: an adapter there would be ignored.
                 raise ValueError(f"model.lora.target_modules: {target!r} matches the output projection {name!r}, "
                                  "which LoRA here does not support (the fused logprob pass reads its weight directly)")
             if type(module) is not torch.nn.Linear:
@@ -118,11 +108,9 @@ def disabled_adapters(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
 def merged_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
     """Stream (base HF name, full tensor) of the model with every adapter merged, W + scale * B @ A, in the
-    base model's order, e.g. ("model.layers.0.self_attn.q_proj.weight", [out, in]). The trained model is not
-    modified: each merged tensor is computed on the fly from the gathered W, A and B (in fp32, returned in
-    W's dtype). Every rank must consume the whole iterator (gathering an FSDP shard is a collective). A model
-    without adapters streams models.fsdp.full_state_dict unchanged.
-    """
+    base model's order, e.g. ("model.layers.0.self_attn.q_proj.weight", [out, in]), without modifying the model:
+    each merged tensor is computed from the gathered W, A and B (in fp32, returned in W's dtype). Every rank must
+    consume the whole iterator (as models.fsdp.full_state_dict's, which a model without adapters streams)."""
     if not is_lora(model):
         yield from fsdp.full_state_dict(model)
         return
