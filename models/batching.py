@@ -57,20 +57,17 @@ def micro_batches_by_tokens(lengths: Sequence[int], max_tokens: int, *, min_coun
     into as few micro-batches of at most `max_tokens` tokens each as the budget allows, with the tokens spread
     evenly over them; returns lists of item indices, each ascending, ordered by their first index.
 
-    min_count: the least number of micro-batches, e.g. the largest count any rank needs, so that every rank
-    runs the same number of forward/backward passes (FSDP's collectives pair up across ranks); the extra ones
-    are empty lists, which the caller runs as zero-weight passes.
+    min_count: the least number of micro-batches (the largest count any rank needs: FSDP's collectives pair up
+    across ranks); the extra ones are empty lists, which the caller runs as zero-weight passes.
     How: k starts at max(ceil(total / max_tokens), min_count); items in decreasing length go to the least
-    loaded micro-batch that still has room (longest-processing-time first); if some item fits nowhere, k grows
-    by one. Ties go to the lower micro-batch, so the plan is deterministic.
+    loaded micro-batch that still has room (longest-processing-time first, ties to the lower one, so the plan
+    is deterministic); if some item fits nowhere, k grows by one.
 
     >>> micro_batches_by_tokens([5, 1, 4, 3, 2, 9], max_tokens=10)
     [[0, 1, 4], [2, 3], [5]]
     """
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
-    if isinstance(min_count, bool) or not isinstance(min_count, int) or min_count < 1:
-        raise ValueError(f"min_count must be a positive int, got {min_count!r}")
     for index, length in enumerate(lengths):
         if isinstance(length, bool) or not isinstance(length, int) or length < 0:
             raise ValueError(f"lengths[{index}] must be a token count >= 0, got {length!r}")

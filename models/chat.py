@@ -13,18 +13,13 @@ def render_prompt(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]
     """Apply the chat template with the assistant generation prompt and return the token ids.
 
     messages: [{"role": "system" | "user" | "assistant", "content": str}, ...], e.g. a data row's "prompt".
+    tokenizer: as models.load_tokenizer returns it (which refuses one without a chat template).
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"tokenizer {getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)!r} has no chat template; "
-            "load it with models.load_tokenizer or add a chat_template to its tokenizer_config.json"
-        )
     if isinstance(messages, (str, bytes)) or len(messages) == 0:
         raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.200}")
     for index, message in enumerate(messages):
-        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) or not isinstance(
-            message.get("content"), str
-        ):
+        if not (isinstance(message, Mapping) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
             raise ValueError(f"message {index} must be a dict with string 'role' and 'content', got {message!r:.200}")
     encoded = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
     return [int(token) for token in encoded["input_ids"]]

