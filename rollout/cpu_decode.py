@@ -127,7 +127,6 @@ class CPUDecoding:
         return logits.repeat_interleave(self.n, dim=0)
 
     def step(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        """The next-token logits [A, V] after each live row's `tokens` [A] at `positions` [A, 1]."""
         return self.head(self._layers(tokens[:, None], positions, self._attend))[0]
 
     def keep(self, rows: Tensor) -> None:

@@ -14,6 +14,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from models.batching import pad_batch
+from models.logprobs import evaluating
 from rollout.cpu_decode import CPUDecoding, supported
 from rollout.engine import Completion, Engine, completion_text, oom_explained, torch_threads, validate_request
 
@@ -24,7 +25,8 @@ class HFEngine(Engine):
 
     shared:        True when `model` is the policy being trained: `update_weights` is then a no-op (the engine
                    already sees every optimizer step). False when the engine owns its copy, updated by name.
-    eos_token_ids: token ids that end a completion (finish reason "stop"); default: the tokenizer's eos.
+    eos_token_ids: token ids that end a completion (finish reason "stop"); default: the tokenizer's eos (every
+                   tokenizer comes from models.load_tokenizer, which guarantees an eos and a pad token).
     max_context:   the most tokens a sequence may hold; default: the model's max_position_embeddings.
     num_threads:   torch threads while generating (rollout.engine.torch_threads); None: torch's setting as it is.
     """
@@ -41,7 +43,6 @@ class HFEngine(Engine):
         self.tokenizer = tokenizer
         self.shared = shared
         self.num_threads = num_threads
-        # models.load_tokenizer gives every tokenizer an eos and a pad token.
         eos_token_ids = [tokenizer.eos_token_id] if eos_token_ids is None else eos_token_ids
         self.eos_token_ids = sorted(set(int(token) for token in eos_token_ids))
         self.max_context = int(max_context or model.config.max_position_embeddings)
@@ -58,13 +59,9 @@ class HFEngine(Engine):
             prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             stop=stop, seed=seed, max_context=self.max_context, vocab_size=self.vocab_size,
         )
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad(), torch_threads(self.num_threads), oom_explained(len(prompts) * n, max_new_tokens):
-                return self._sample(prompts, n, max_new_tokens, temperature, top_p, top_k, stop_strings, seed)
-        finally:
-            self.model.train(was_training)
+        with (evaluating(self.model), torch.no_grad(), torch_threads(self.num_threads),
+              oom_explained(len(prompts) * n, max_new_tokens)):
+            return self._sample(prompts, n, max_new_tokens, temperature, top_p, top_k, stop_strings, seed)
 
     def _sample(self, prompts, n, max_new_tokens, temperature, top_p, top_k, stop_strings, seed) -> list[Completion]:
         """The decoding loop over B = len(prompts) * n rows: each prompt prefilled once for its n rows, then one
