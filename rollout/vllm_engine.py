@@ -47,10 +47,9 @@ def check_vllm_version(version: str) -> None:
 
 
 class VLLMEngine:
-    """A vLLM replica of the policy. `arguments`: the keyword arguments of vllm.LLM as launch.plan.vllm_arguments
-    decides them (model: an HF directory with config.json, safetensors and tokenizer; max_model_len; ...).
-    A completion ends at the tokenizer's eos (the model's generation_config, like its other sampling defaults, is
-    ignored). Engine calls run at one torch thread, the caller's setting restored (rollout.engine.torch_threads).
+    """A vLLM replica of the policy, built from vllm.LLM's keyword arguments as launch.plan.vllm_arguments decides
+    them (model: a directory models.resolve_model_dir accepts, with safetensors weights). A completion ends at the
+    tokenizer's eos; the model's generation_config is ignored. Engine calls run at one torch thread.
 
     Under torchrun the trainer must initialise the process group BEFORE building the engine (vLLM then joins it
     through the external launcher instead of making a world of size 1). In process, vLLM 0.32 seeds the global
@@ -59,8 +58,6 @@ class VLLMEngine:
 
     def __init__(self, arguments: dict):
         model_path = Path(arguments["model"]).expanduser()
-        if not (model_path / "config.json").is_file():
-            raise FileNotFoundError(f"VLLMEngine needs an HF model directory; {model_path}/config.json does not exist")
         # In process, collective_rpc runs our reload function on the worker without pickling the weights (the
         # external launcher forces this too). With the WeightReload extension (a rollout rank of a separate placement,
         # whose torchrun world vLLM must not join: launch.plan) the engine core runs in a process and world of its own.
@@ -94,10 +91,9 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], *, n: int = 1, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] | None = None,
                  seed: int | None = None) -> list[Completion]:
-        """Sample n completions per prompt (rollout.engine.Engine). seed: prompt p samples with
-        rollout.engine.prompt_seed(seed, p) and vLLM gives its i-th completion that + i, so no two completions share
-        a random stream (one seed for the call would give every prompt's i-th the same); None: the replica's RNG.
-        """
+        """Sample n completions per prompt (rollout.engine.Engine). Prompt p samples with prompt_seed(seed, p) and
+        vLLM gives its i-th completion that + i, so no two completions share a random stream (one seed for the call
+        would give every prompt's i-th the same); seed None: the replica's RNG."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -141,20 +137,15 @@ class VLLMEngine:
         whole decoder layers (rollout.sync.bucketed): vLLM rebuilds a fused q/k/v or gate/up module only from
         parts loaded together. Out of process the bucket goes to the WeightReload extension as safetensors bytes."""
         weights = list(named_tensors)
-        given: dict[str, set[str]] = {}
-        for name, _ in weights:
-            given.setdefault(weight_group(name), set()).add(name)
-        for group, group_names in given.items():
-            expected = self.checkpoint_groups.get(group, set())
-            if not group_names <= expected:
-                unknown = sorted(group_names - expected)
-                raise ValueError(f"update_weights: {unknown[:3]} are not weights of the model in {self.model_path}")
-            if group_names != expected:
-                missing = sorted(expected - group_names)
-                raise ValueError(
-                    f"update_weights: group {group!r} is incomplete (missing {missing[:3]}): vLLM rebuilds fused "
-                    f"modules only from parts loaded in the same call; send whole decoder layers"
-                )
+        names = {name for name, _ in weights}
+        expected = set().union(*(self.checkpoint_groups.get(weight_group(name), set()) for name in names))
+        unknown, missing = sorted(names - expected), sorted(expected - names)
+        if unknown:
+            raise ValueError(f"update_weights: {unknown[:3]} are not weights of the model in {self.model_path}")
+        if missing:
+            raise ValueError(f"update_weights: group {weight_group(missing[0])!r} is incomplete (missing "
+                             f"{missing[:3]}): vLLM rebuilds fused modules only from parts loaded in the same call; "
+                             f"send whole decoder layers")
         if not weights:
             return
         repack_tied_head = any(name == self.tied_embedding_name for name, _ in weights)
@@ -190,11 +181,10 @@ class VLLMEngine:
 
 
 def _remove_cpu_shm_segments() -> None:
-    """Remove the shared-memory segments of vLLM's CPU tensor-parallel communicator (vLLM 0.32's
-    cpu_communicator.py), which a rank leaving with os._exit (launch.dist.exit_rank) or a crash leaves behind: their
-    names do not name the run ("/dev/shm/-tp:0-[0-1]-cpushm_0" under the external launcher), so the next run on the
-    machine fails to create them (errno 17). Rank 0 removes them before the engine starts (every rank waits) and at
-    close; unlinking a name leaves the mappings of a process still using it intact."""
+    """Remove the shared-memory segments of vLLM 0.32's CPU tensor-parallel communicator that a rank leaving with
+    os._exit (launch.dist.exit_rank) or a crash leaves behind: their names do not name the run
+    ("/dev/shm/-tp:0-[0-1]-cpushm_0"), so the next run on the machine fails to create them (errno 17). Rank 0 removes
+    them before the engine starts and at close; unlinking a name leaves the mappings of a process using it intact."""
     if fsdp.rank() == 0:  # the first engine rank (models.fsdp's group: the engine ranks when they have their own)
         for segment in Path("/dev/shm").glob("-[tp][pp]:*-cpushm_*"):
             segment.unlink(missing_ok=True)
@@ -202,13 +192,11 @@ def _remove_cpu_shm_segments() -> None:
 
 
 def reload_worker(worker, weights: list[tuple[str, Tensor]], repack_tied_head: bool) -> None:
-    """Load HF-named tensors into one vLLM worker in place. Every use of vLLM internals lives here (vLLM 0.32.0).
-    - `worker.reload_weights` (gpu_worker.Worker, which the CPU worker extends) re-applies the backend's post-load
-      processing; a plain `model.load_weights` fails on the CPU backend, whose linear weights are repacked.
-    - It warns of every module absent from a partial (bucketed) call, as expected: its logger is quietened.
-    - repack_tied_head (the weights include the embedding a tied lm_head shares): the reload skips a tied lm_head
-      (no checkpoint entry), so on the CPU backend its packed copy of the embedding would stay stale (wrong
-      logprobs after a step); its quant method's `process_weights_after_loading` repacks it (a no-op on GPUs).
+    """Load HF-named tensors into one vLLM worker in place; every use of vLLM internals lives here (vLLM 0.32.0).
+    `worker.reload_weights` re-applies the backend's post-load processing (a plain `model.load_weights` fails on the
+    CPU backend, whose linear weights are repacked) and warns of every module a bucket lacks: its logger is quietened.
+    repack_tied_head (the weights hold the embedding a tied lm_head shares): the reload skips a tied lm_head (no
+    checkpoint entry), so the CPU backend's packed copy would stay stale; `process_weights_after_loading` repacks it.
     """
     logger = logging.getLogger("vllm.model_executor.model_loader.reload")
     level = logger.level
