@@ -76,7 +76,7 @@ def convert_factqa(path: str | Path, *, split: str = "train", dataset: str | Non
     return rows
 
 
-@exit_on_bad_input
+@exit_on_bad_input()
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m data.factqa", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)

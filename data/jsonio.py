@@ -8,6 +8,7 @@ import functools
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -164,12 +165,18 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         temporary.write_text(text, encoding="utf-8")
 
 
-def exit_on_bad_input(main: Callable[[list[str] | None], None]) -> Callable[[list[str] | None], None]:
-    """A data command's main(argv) ends on bad input (ValueError, FileNotFoundError) with `error: MESSAGE`, status 1."""
-    @functools.wraps(main)
-    def checked(argv: list[str] | None = None) -> None:
-        try:
-            main(argv)
-        except (ValueError, FileNotFoundError) as error:
-            raise SystemExit(f"error: {error}") from None
-    return checked
+def exit_on_bad_input(status: int = 1) -> Callable[[Callable], Callable]:
+    """A command's main(argv) that ends on bad input (ValueError, FileNotFoundError) with `error: MESSAGE` on
+    stderr: raised as SystemExit for status 1 (the data commands), else printed and `status` returned (launch's)."""
+    def decorate(main: Callable) -> Callable:
+        @functools.wraps(main)
+        def checked(argv: list[str] | None = None):
+            try:
+                return main(argv)
+            except (ValueError, FileNotFoundError) as error:
+                if status == 1:
+                    raise SystemExit(f"error: {error}") from None
+                print(f"error: {error}", file=sys.stderr)
+                return status
+        return checked
+    return decorate

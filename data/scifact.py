@@ -159,7 +159,7 @@ def convert_directory(input_dir: str | Path, splits: tuple[str, ...] = DEFAULT_S
     return {split: convert_claims(input_dir / f"claims_{split}.jsonl", corpus, split) for split in splits}
 
 
-@exit_on_bad_input
+@exit_on_bad_input()
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m data.scifact", description=__doc__.splitlines()[0])
     parser.add_argument("--input", required=True, help="folder with corpus.jsonl and claims_<split>.jsonl")

@@ -92,7 +92,7 @@ def generate_rows(n: int, seed: int = 0, split: str = "train") -> list[dict]:
     return rows
 
 
-@exit_on_bad_input
+@exit_on_bad_input()
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m data.synthetic", description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, required=True, help="number of rows")

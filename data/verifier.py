@@ -61,7 +61,7 @@ def rebalance(rows: list[dict], seed: int = 0) -> list[dict]:
     return [row for i, row in enumerate(rows) if i in chosen]
 
 
-@exit_on_bad_input
+@exit_on_bad_input()
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m data.verifier", description=__doc__.splitlines()[0])
     parser.add_argument("--input", required=True, help="JSONL of {question, gold_answer, llm_response, gold_judgment}")

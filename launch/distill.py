@@ -39,10 +39,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from data.jsonio import atomic_write_text
+from data.jsonio import atomic_write_text, exit_on_bad_input
 from data.rows import write_rows
 from data.verifier import convert_verifier, rebalance, verifier_target
-from launch.eval import add_engine_arguments, check_positive, engine_from_args, exit_2_on_bad_input, resolve_model
+from launch.eval import add_engine_arguments, check_positive, engine_from_args, resolve_model
 from models import render_prompt
 from rewards.verifier import FINAL_JUDGMENT, JUDGMENTS, last_boxed_span, last_match, parse_judgment
 
@@ -208,7 +208,7 @@ def distill_rows(engine, tokenizer, rows: list[dict], *, samples: int, max_reaso
     return kept, report
 
 
-@exit_2_on_bad_input
+@exit_on_bad_input(2)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.distill", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -216,19 +216,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", required=True, help="judgments JSONL (the format data.verifier reads)")
     parser.add_argument("--out", required=True, help="SFT rows (.jsonl or .parquet); the report goes beside it")
     parser.add_argument("--samples", type=int, default=4, help="teacher samples per example (K)")
-    parser.add_argument("--max-reasoning-tokens", type=int, default=256,
-                        help="longer reasoning (after a thinking teacher's </think>) is dropped as overlong")
+    parser.add_argument("--max-reasoning-tokens", type=int, default=256, help="longer reasoning is dropped as overlong")
     parser.add_argument("--per-example", type=int, default=1, help="kept samples per example at most")
     parser.add_argument("--max-new-tokens", type=int, default=1024, help="teacher's limit; a cut-off sample is dropped")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--limit", type=int, default=None, help="use the first N input rows")
-    parser.add_argument("--no-rebalance", action="store_true",
-                        help="keep the input's label ratio (default: 1:1 correct/incorrect, as data.verifier)")
+    parser.add_argument("--no-rebalance", action="store_true", help="keep the label ratio (default: rebalanced 1:1)")
     parser.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (default 8; vllm: all)")
     add_engine_arguments(parser)
-    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    args = parser.parse_args(argv)
     check_positive(args, "samples", "max_reasoning_tokens", "per_example", "max_new_tokens", "limit", "batch_size")
     rows = convert_verifier(args.input)[:args.limit]  # every line is checked (file:line errors) before any model
     if not args.no_rebalance:

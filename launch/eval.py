@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 import rewards
 from data.eval_metrics import FACTQA, score_example, summarize
-from data.jsonio import atomic_write_text
+from data.jsonio import atomic_write_text, exit_on_bad_input
 from data.rows import read_rows
 from grpo.evaluate import greedy_completions
 from grpo.scoring import Scorer
@@ -57,14 +55,15 @@ def resolve_model(spec: str) -> Path | None:
 
 
 def read_data(paths: list[str], limit: int | None) -> list[dict]:
-    """Records (file, row, index, data_source, ground_truth, extra_info, messages) of the first `limit` rows of
-    each file, every file read and checked before anything runs."""
+    """Records (file, row, index, messages, and the row's data_source, reward_model, ground_truth and extra_info)
+    of the first `limit` rows of each file, every file read and checked before anything runs."""
     records = []
     for path in paths:
         for number, row in enumerate(read_rows(path)[:limit], start=1):
-            record = {"file": str(path), "row": number, "index": (row.get("extra_info") or {}).get("index"),
-                      "data_source": row["data_source"], "ground_truth": row["reward_model"]["ground_truth"],
-                      "extra_info": row.get("extra_info") or {}, "messages": row["prompt"]}
+            extra_info = row.get("extra_info") or {}
+            record = {"file": str(path), "row": number, "index": extra_info.get("index"), "messages": row["prompt"],
+                      "data_source": row["data_source"], "reward_model": row["reward_model"],
+                      "ground_truth": row["reward_model"]["ground_truth"], "extra_info": extra_info}
             try:  # a bad ground truth fails now, naming its row, not after an hour of generation
                 score_example({**record, "completion": ""})
             except ValueError as error:
@@ -102,10 +101,8 @@ def evaluate_records(engine, tokenizer, records: list[dict], *, max_new_tokens: 
     scorer = Scorer(rewards.compute_score, decode_prefixes=prefix_decoder(tokenizer))
     predictions = []
     for record, ids, completion in zip(records, prompt_ids, completions):
-        row = {"data_source": record["data_source"], "reward_model": {"ground_truth": record["ground_truth"]},
-               "extra_info": record["extra_info"]}
-        scored = row["data_source"] in with_reward
-        reward = scorer.result(row, completion.text, record["row"])["score"] if scored else None
+        scored = record["data_source"] in with_reward  # a record holds what the scorer reads of a row
+        reward = scorer.result(record, completion.text, record["row"])["score"] if scored else None
         prediction = {key: record[key] for key in ("file", "row", "index", "data_source")}
         prediction.update(prompt=record["messages"][-1]["content"], prompt_tokens=len(ids), completion=completion.text,
                           completion_tokens=len(completion.completion_ids), finish_reason=completion.finish_reason,
@@ -244,19 +241,7 @@ def evaluate_command(argv: list[str]) -> None:
     print(report)
 
 
-def exit_2_on_bad_input(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
-    """launch.eval/.plot/.distill's main(argv) prints bad input (ValueError, FileNotFoundError) and returns 2."""
-    @functools.wraps(main)
-    def checked(argv: list[str] | None = None) -> int:
-        try:
-            return main(argv)
-        except (ValueError, FileNotFoundError) as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 2
-    return checked
-
-
-@exit_2_on_bad_input
+@exit_on_bad_input(2)
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["compare"]:

@@ -19,8 +19,8 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from data.jsonio import iter_jsonl
-from launch.eval import exit_2_on_bad_input, load_evaluation, run_names
+from data.jsonio import exit_on_bad_input, iter_jsonl
+from launch.eval import load_evaluation, run_names
 
 # (metrics.jsonl key, panel title), drawn when any run logged the key. SFT runs log only "loss".
 CURVES = (("eval/reward", "held-out reward (greedy)"), ("eval/acc", "held-out label accuracy (greedy)"),
@@ -171,7 +171,7 @@ def plot_runs(directories: list[str], out: Path) -> list[Path]:
     return written
 
 
-@exit_2_on_bad_input
+@exit_on_bad_input(2)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.plot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

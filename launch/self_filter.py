@@ -48,14 +48,10 @@ def check_settings(group_size: int, min_correct: int, max_correct: int | None, a
 def self_filter(rows: list[dict], generate_fn: GenerateFn, judge_fn: JudgeFn, *, group_size: int = 8,
                 min_correct: int = 1, max_correct: int | None = None, anchors: int = 0, batch_size: int = 16,
                 seed: int = 0, render: Callable[[list[dict]], object] = question_of) -> tuple[list[dict], dict]:
-    """Keep the rows whose question is answered correctly between `min_correct` and `max_correct` times of G.
-
-    generate_fn(prompts, n) -> for each of the P prompts (render(row["prompt"])), its n = G completion texts.
-    judge_fn(text, ground_truth) -> whether one completion answers correctly.
-    anchors: how many always-correct (k = G) rows to add, chosen under `seed` (all if fewer exist).
-    Returns (kept rows in input order, stats); each kept row is a copy with `extra_info["self_filter"] =
-    {"correct": k, "samples": G, "anchor": bool}`.
-    """
+    """Keep the rows answered correctly k of G times, min_correct <= k <= max_correct, and `anchors` rows with
+    k = G chosen under `seed` (all if fewer). generate_fn(prompts, n): the n = G completion texts of each prompt
+    (render(row["prompt"])); judge_fn(text, ground_truth): whether one is correct. Returns (kept rows in input
+    order, each a copy with extra_info["self_filter"] = {"correct": k, "samples": G, "anchor": bool}, stats)."""
     max_correct = check_settings(group_size, min_correct, max_correct, anchors, batch_size)
     correct_counts: list[int] = []
     for start in range(0, len(rows), batch_size):
@@ -77,9 +73,8 @@ def self_filter(rows: list[dict], generate_fn: GenerateFn, judge_fn: JudgeFn, *,
     kept = []
     for i in sorted(in_zone | chosen_anchors):
         row = copy.deepcopy(rows[i])
-        row["extra_info"] = dict(row.get("extra_info") or {})
-        row["extra_info"]["self_filter"] = {"correct": correct_counts[i], "samples": group_size,
-                                            "anchor": i in chosen_anchors}
+        row["extra_info"] = {**(row.get("extra_info") or {}), "self_filter": {
+            "correct": correct_counts[i], "samples": group_size, "anchor": i in chosen_anchors}}
         kept.append(row)
     # correct_histogram[k] = number of questions with exactly k of G correct.
     stats = {"total": len(rows), "kept": len(kept), "in_zone": len(in_zone), "anchors": len(chosen_anchors),
@@ -129,7 +124,7 @@ def engine_generate_fn(engine, *, max_new_tokens: int, temperature: float, top_p
     return generate
 
 
-@exit_on_bad_input
+@exit_on_bad_input()
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m launch.self_filter", description=__doc__.splitlines()[0])
     parser.add_argument("--input", required=True, help="factqa rows (.jsonl or .parquet)")
@@ -144,8 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--batch-size", type=int, default=16, help="questions per generate call")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--judge", default="rewards.factqa:judge",
-                        help="module:function judging (completion_text, ground_truth): bool, or a number > 0 if right")
+    parser.add_argument("--judge", default="rewards.factqa:judge", help="module:function, as load_judge reads it")
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     rows = read_rows(args.input)

@@ -44,10 +44,7 @@ def count_reward(count: int | None) -> float:
     """Sentence reward for a co-occurrence count by COUNT_REWARDS (None: no triple or nothing to query)."""
     if count is None:
         return 0.0
-    for threshold, reward in COUNT_REWARDS:
-        if count >= threshold:
-            return reward
-    raise ValueError(f"a co-occurrence count cannot be negative, got {count}")
+    return next(reward for threshold, reward in COUNT_REWARDS if count >= threshold)
 
 
 def normalize_answer(text: str) -> str:

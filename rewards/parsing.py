@@ -12,7 +12,6 @@ import string
 from collections import Counter
 from typing import NamedTuple
 
-# Every ASCII punctuation character (including `_`) becomes a space; see normalize_text.
 _PUNCTUATION_TO_SPACE = str.maketrans({character: " " for character in string.punctuation})
 _SENTENCE = re.compile(r"\S+(?:(?<![.!?])\s+\S+)*")  # words joined by whitespace that follows no . ! or ?
 _OPENING = re.compile(r"<(?:(think)|answer)>", re.IGNORECASE)
@@ -22,11 +21,7 @@ MIN_THINK_WORDS = 3
 
 
 def normalize_text(text: str) -> str:
-    """Lower-case, `_` and every ASCII punctuation character to a space, whitespace collapsed.
-
-    >>> normalize_text("  The IL-6 receptor_alpha (sIL6R)!  ")
-    'the il 6 receptor alpha sil6r'
-    """
+    """Lower-case, `_` and every ASCII punctuation character to a space, whitespace collapsed."""
     return " ".join(text.lower().translate(_PUNCTUATION_TO_SPACE).split())
 
 
@@ -62,11 +57,7 @@ def bag_f1(prediction: TokenBag, gold: TokenBag) -> float:
 
 
 def token_f1(prediction: str, gold: str) -> float:
-    """SQuAD-style token F1 over normalize_text tokens; 0 when either side is empty.
-
-    >>> token_f1("Vitamin D lowers risk", "vitamin d lowers the risk of fracture")
-    0.7272727272727273
-    """
+    """SQuAD-style token F1 over normalize_text tokens; 0 when either side is empty."""
     return bag_f1(token_bag(prediction), token_bag(gold))
 
 
@@ -87,11 +78,8 @@ def find_block(text: str, name: str) -> tuple[int, int] | None:
 
 
 def extract_block(text: str, name: str) -> str | None:
-    """The raw content of the first `<name>...</name>` block (case-insensitive, may span lines), or None.
-
-    >>> extract_block("x <ANSWER>\\nSUPPORTS\\n</answer> <answer>no</answer>", "answer")
-    '\\nSUPPORTS\\n'
-    """
+    """The raw content (whitespace kept) of the first `<name>...</name>` block (case-insensitive, may span lines),
+    or None."""
     span = find_block(text, name)
     return None if span is None else text[span[0]:span[1]]
 
@@ -132,11 +120,7 @@ def split_sentences(text: str) -> list[tuple[int, int]]:
 
 def think_answer_format(text: str) -> bool:
     """True for exactly `<think>T</think><answer>A</answer>`, each tag once (case-insensitive), only whitespace
-    around and between the blocks, at least MIN_THINK_WORDS words in T and a non-empty A.
-
-    >>> think_answer_format("<think>Paris is the capital.</think>\\n<answer>Paris</answer>")
-    True
-    """
+    around and between the blocks, at least MIN_THINK_WORDS words in T and a non-empty A."""
     for name in ("think", "answer"):
         for closing in (False, True):
             matches = _tag(name, closing).finditer(text)
@@ -148,11 +132,7 @@ def think_answer_format(text: str) -> bool:
 
 def load_ground_truth(ground_truth: object) -> object:
     """A dict or list as it is, a string holding a JSON object or array decoded, a number as its text and any
-    other string unchanged (a plain answer); ValueError for other types.
-
-    >>> load_ground_truth('{"answer": "SUPPORTS"}'), load_ground_truth("Paris;City of Light"), load_ground_truth(20)
-    ({'answer': 'SUPPORTS'}, 'Paris;City of Light', '20')
-    """
+    other string unchanged (a plain answer); ValueError for other types."""
     if isinstance(ground_truth, (dict, list)):
         return ground_truth
     if isinstance(ground_truth, (int, float)) and not isinstance(ground_truth, bool):

@@ -22,6 +22,7 @@ from rewards.parsing import (
     ("(p<0.05)", "p 0 05"),
     ("", ""),
     ("Ünïcode — dash", "ünïcode — dash"),  # only ASCII punctuation is replaced
+    ("  The IL-6 receptor_alpha (sIL6R)!  ", "the il 6 receptor alpha sil6r"),
 ])
 def test_normalize_text(text, expected):
     assert normalize_text(text) == expected
@@ -36,6 +37,7 @@ def test_normalize_text(text, expected):
     ("a", "", 0.0),
     ("!!!", "a", 0.0),  # normalises to nothing
     ("The Cat.", "the cat", 1.0),
+    ("Vitamin D lowers risk", "vitamin d lowers the risk of fracture", 0.7272727272727273),  # 2*4 / (4 + 7)
 ])
 def test_token_f1(prediction, gold, expected):
     assert token_f1(prediction, gold) == pytest.approx(expected, abs=1e-12)
@@ -54,6 +56,7 @@ def test_find_block_equals_the_specified_regex(text):
 def test_extract_block_returns_raw_content():
     assert extract_block("pre <evidence>\n[1] a\n</evidence> post", "evidence") == "\n[1] a\n"
     assert extract_block("<evidence>", "evidence") is None
+    assert extract_block("x <ANSWER>\nSUPPORTS\n</answer> <answer>no</answer>", "answer") == "\nSUPPORTS\n"
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -101,6 +104,7 @@ def test_scoring_regions_match_the_alternation_regex():
 @pytest.mark.parametrize("text, expected", [
     ("<think>Paris is the capital.</think><answer>Paris</answer>", True),
     ("  <think>Paris is the capital.</think>\n\n<answer>Paris</answer>\n", True),
+    ("<think>Paris is the capital.</think>\n<answer>Paris</answer>", True),
     ("<THINK>Paris is the capital.</THINK><ANSWER>Paris</ANSWER>", True),
     ("<think>two words</think><answer>Paris</answer>", False),          # trivial think
     ("<think>Paris is the capital.</think><answer>  </answer>", False),  # empty answer
@@ -121,6 +125,9 @@ def test_load_ground_truth():
     assert load_ground_truth('{"a": [1]}') == {"a": [1]}
     assert load_ground_truth('["x", "y"]') == ["x", "y"]
     assert load_ground_truth("{not json") == "{not json"
+    assert load_ground_truth('{"answer": "SUPPORTS"}') == {"answer": "SUPPORTS"}
+    assert load_ground_truth("Paris;City of Light") == "Paris;City of Light"
+    assert load_ground_truth(20) == "20"
     assert load_ground_truth("42") == "42"
     assert load_ground_truth(42) == "42" and load_ground_truth(2.5) == "2.5"  # verl's rows carry numbers (issue 31)
     with pytest.raises(ValueError, match="ground_truth"):
