@@ -56,11 +56,7 @@ TOKENS_PER_ID = {"u16": 1, "u16x2": 2}
 
 
 def choose_layout(largest_id: int, where: str = "the corpus") -> str:
-    """"u16" when `largest_id` fits one token, else "u16x2"; ValueError naming the id beyond MAX_PAIR_ID.
-
-    >>> choose_layout(65_279), choose_layout(65_280), choose_layout(1_065_336_959)
-    ('u16', 'u16x2', 'u16x2')
-    """
+    """"u16" when `largest_id` fits one token, else "u16x2"; ValueError naming the id beyond MAX_PAIR_ID."""
     if largest_id <= MAX_SINGLE_ID:
         return "u16"
     if largest_id <= MAX_PAIR_ID:

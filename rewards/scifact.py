@@ -138,14 +138,7 @@ def gated_score(format_score: float, gold: str, predicted_label: str, answer: fl
 def scifact_evidence_reward(data_source: str, solution_str: str, ground_truth: object,
                             extra_info: dict | None = None) -> dict:
     """gated_score of format (1 both blocks, 0.5 one, 0 none), answer (labels equal after aliasing), evidence
-    (evidence_score) and conciseness (1 for 1..5 items); ValueError for a gold label outside LABELS.
-
-    >>> gold = '{"answer": "SUPPORTS", "evidence": ["Vitamin D lowers fracture risk in older adults."]}'
-    >>> text = "<answer>\\nSUPPORTS\\n</answer>\\n\\n<evidence>\\n[1] Vitamin D lowers fracture risk.\\n</evidence>"
-    >>> result = scifact_evidence_reward("scifact_evidence", text, gold)
-    >>> round(result["evidence"], 4), round(result["score"], 4)
-    (0.7692, 0.8731)
-    """
+    (evidence_score) and conciseness (1 for 1..5 items); ValueError for a gold label outside LABELS."""
     gold_text, _, gold = parse_ground_truth(ground_truth)
     label = gold_label(gold_text)
     answer_text, items, format_score, conciseness = completion_parts(solution_str)

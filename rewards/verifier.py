@@ -46,13 +46,7 @@ def verifier_prompt(question: str, reference: str, candidate: str, template: str
 
 def last_boxed_span(text: str) -> tuple[int, int] | None:
     """(start, end) of the content of the last `\\boxed{...}` with balanced braces (at most 200 characters),
-    text[end] being its closing brace, or None (also launch.distill's cut of a teacher's judgment line).
-
-    >>> text = "so \\\\boxed{\\\\text{A}} ."
-    >>> start, end = last_boxed_span(text)
-    >>> text[start:end], text[end + 1:]
-    ('\\\\text{A}', ' .')
-    """
+    text[end] being its closing brace, or None (also launch.distill's cut of a teacher's judgment line)."""
     start = text.rfind("\\boxed{")
     if start < 0:
         return None

@@ -17,7 +17,7 @@ from bench.cooccurrence import engine_count
 from memory_counter import MemoryCounter
 from rewards import compute_score
 from rewards.cooccurrence import ExternalTokenizer
-from rewards.corpus import MAX_PAIR_ID, MAX_SINGLE_ID, CorpusIndex, build_index
+from rewards.corpus import MAX_PAIR_ID, MAX_SINGLE_ID, CorpusIndex, build_index, choose_layout
 from rewards.factqa import count_reward
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -280,6 +280,10 @@ def test_ids_beyond_the_index_fail_at_build_time_naming_the_number(tmp_path):
         build_index(write_jsonl(tmp_path / "c.jsonl", TINY), tmp_path / "index",
                     encode_fn=lambda text: [MAX_PAIR_ID + 1])
     assert not (tmp_path / "index").exists()
+
+
+def test_layout_by_largest_id():
+    assert (choose_layout(65_279), choose_layout(65_280), choose_layout(1_065_336_959)) == ("u16", "u16x2", "u16x2")
 
 
 def test_more_distinct_words_than_the_index_holds_fail_naming_the_number(tmp_path, monkeypatch):

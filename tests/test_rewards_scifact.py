@@ -9,6 +9,7 @@ from rewards.scifact import (
     evidence_qa_reward,
     gated_score,
     normalize_label,
+    scifact_evidence_reward,
 )
 
 GOLD_SENTENCE = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu"  # 12 tokens
@@ -30,6 +31,14 @@ def gold(label: str, evidence: list[str] | None = None) -> str:
 
 def score(text: str, ground_truth: str) -> dict:
     return compute_score("scifact_evidence", text, ground_truth)
+
+
+def test_worked_example():
+    # 2 * 5 shared tokens / (5 + 8) = 0.7692; 0.35 * 1 + 0.55 * 0.7692 + 0.10 * 1 = 0.8731
+    gold_text = '{"answer": "SUPPORTS", "evidence": ["Vitamin D lowers fracture risk in older adults."]}'
+    text = "<answer>\nSUPPORTS\n</answer>\n\n<evidence>\n[1] Vitamin D lowers fracture risk.\n</evidence>"
+    result = scifact_evidence_reward("scifact_evidence", text, gold_text)
+    assert (round(result["evidence"], 4), round(result["score"], 4)) == (0.7692, 0.8731)
 
 
 def test_worked_example_is_capped():

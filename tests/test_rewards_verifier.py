@@ -2,7 +2,7 @@
 import pytest
 
 from rewards import compute_score
-from rewards.verifier import gold_judgment, parse_judgment, verifier_prompt, verifier_template
+from rewards.verifier import gold_judgment, last_boxed_span, parse_judgment, verifier_prompt, verifier_template
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -27,6 +27,12 @@ from rewards.verifier import gold_judgment, parse_judgment, verifier_prompt, ver
 ])
 def test_parse_judgment(text, expected):
     assert parse_judgment(text) == expected
+
+
+def test_last_boxed_span_ends_at_the_closing_brace():
+    text = "so \\boxed{\\text{A}} ."
+    start, end = last_boxed_span(text)
+    assert (text[start:end], text[end + 1:]) == ("\\text{A}", " .")
 
 
 @pytest.mark.parametrize("ground_truth, expected", [
