@@ -1,10 +1,7 @@
-"""The run's settings: one frozen dataclass per section of a recipe, a docstring per field, each field's valid
-choices or range beside it, and the rules that relate fields (`check`) written once, below the declarations.
-
-A section checks its own fields' choices and ranges when it is built (from a recipe by launch/recipe.py, or in
-code), naming the key, the value and the range. `check` relates fields to each other and to the world size;
-start-up and `--dry-run` run it before anything loads. The code that uses a setting receives its section (or
-the whole Config) and reads the same name: there is no second layer that copies or renames settings.
+"""The run's settings: one frozen dataclass per section of a recipe, each field with its docstring and its valid
+choices or range, checked when the section is built (naming the key, the value and the range). `check` holds the
+rules that relate fields to each other and to the world size; start-up and `--dry-run` run it before anything
+loads. The code that uses a setting receives its section (or the whole Config) and reads the same name.
 """
 from __future__ import annotations
 
@@ -14,21 +11,10 @@ from dataclasses import dataclass, field, fields
 from grpo.advantages import ESTIMATORS
 from rewards.cooccurrence import SEMANTICS
 
-STAGES = ("rl", "sft")
-DTYPES = ("float32", "bfloat16")
-ATTENTIONS = ("auto", "sdpa", "eager", "flash_attention_2")
-ENGINES = ("hf", "vllm")
-RESUMES = ("never", "auto", "always")
-CHECKPOINTS = ("full", "weights", "none")
-PLACEMENTS = ("colocated", "separate")
-SCHEDULES = ("constant", "linear", "cosine")
-EXTRACTORS = ("rule", "model")
 # The loss's modes (grpo.losses implements one entry per name).
 POLICY_LOSSES = ("ppo", "cispo")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "abs", "k2", "k3")
-RATIO_LEVELS = ("token", "sequence")
-IS_LEVELS = ("token", "sequence")
 
 
 class ConfigError(ValueError):
@@ -37,34 +23,24 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Range:
-    """The valid values of a numeric field: finite, and within [low, high] (an open end excludes the bound;
-    None is unbounded on that side).
-
-    >>> str(Range(0, 1, high_open=True)), str(Range(low=1)), str(Range(0, low_open=True)), str(Range())
-    ('in [0, 1)', '>= 1', '> 0', 'a finite number')
-    >>> Range(0, 1).contains(1.0), Range(0, 1, high_open=True).contains(1.0), Range().contains(math.nan)
-    (True, False, False)
-    """
+    """A numeric field's valid values: finite and within [low, high]; an open end excludes its bound, a None low
+    leaves the field unbounded."""
     low: float | None = None
     high: float | None = None
     low_open: bool = False
     high_open: bool = False
 
     def contains(self, value: float) -> bool:
-        if not math.isfinite(value):
-            return False
-        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
-            return False
-        return self.high is None or (value < self.high or (not self.high_open and value == self.high))
+        above = self.low is None or value > self.low or (value == self.low and not self.low_open)
+        below = self.high is None or value < self.high or (value == self.high and not self.high_open)
+        return math.isfinite(value) and above and below
 
     def __str__(self) -> str:
-        if self.low is not None and self.high is not None:
-            return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
-        if self.low is not None:
+        if self.low is None:
+            return "a finite number"
+        if self.high is None:
             return f"{'>' if self.low_open else '>='} {self.low:g}"
-        if self.high is not None:
-            return f"{'<' if self.high_open else '<='} {self.high:g}"
-        return "a finite number"
+        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
 
 
 def choice(default: str, choices: tuple[str, ...]):
@@ -74,8 +50,8 @@ def choice(default: str, choices: tuple[str, ...]):
 
 def bounded(default, low: float | None = None, high: float | None = None, *, low_open: bool = False,
             high_open: bool = False):
-    """A numeric field (int, float, an optional one, or a list of numbers: each element) whose value must lie in
-    Range(low, high, ...). None, where the type allows it, is always accepted (it means "off")."""
+    """A numeric field (a list of numbers: each element) within Range(low, high, ...); None, where the type
+    allows it, means "off" and is always accepted."""
     metadata = {"range": Range(low, high, low_open, high_open)}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata)
@@ -122,11 +98,11 @@ class ModelConfig(Section):
     KEY = "model."
     name_or_path: str | None = None
     """Local HF directory, an HF id in the local cache, or null for the embedded SmolLM2-135M-Instruct."""
-    dtype: str = choice("float32", DTYPES)
+    dtype: str = choice("float32", ("float32", "bfloat16"))
     """Master weight dtype."""
-    param_dtype: str = choice("float32", DTYPES)
+    param_dtype: str = choice("float32", ("float32", "bfloat16"))
     """Compute dtype (FSDP2 mixed precision under torchrun, autocast in one process); gradients in float32."""
-    attn_implementation: str = choice("auto", ATTENTIONS)
+    attn_implementation: str = choice("auto", ("auto", "sdpa", "eager", "flash_attention_2"))
     """auto (flash_attention_2 on CUDA with flash-attn and a half compute dtype, else sdpa), sdpa or eager."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
@@ -168,7 +144,7 @@ class RewardConfig(Section):
     """infini-gram index directory for the factqa_corpus reward (`python -m rewards.corpus build`)."""
     correct_threshold: float = bounded(0.5)
     """Correct (accuracy, DAPO's filter) when the `acc` component, else the score, is at least this."""
-    triple_extractor: str = choice("rule", EXTRACTORS)
+    triple_extractor: str = choice("rule", ("rule", "model"))
     """factqa_corpus: rule-based triples, or a local causal LM prompted few-shot (its first valid triple)."""
     triple_extractor_model: str | None = None
     """The extractor LM for triple_extractor=model (local or cached); null: the embedded SmolLM2-135M-Instruct."""
@@ -185,7 +161,7 @@ class RewardConfig(Section):
 @dataclass(frozen=True)
 class RolloutConfig(Section):
     KEY = "rollout."
-    engine: str = choice("hf", ENGINES)
+    engine: str = choice("hf", ("hf", "vllm"))
     """hf (transformers; CPU and tests) or vllm."""
     n: int = bounded(4, 1)
     """G: completions per prompt."""
@@ -213,7 +189,7 @@ class RolloutConfig(Section):
     """vLLM's context; null: data.max_prompt_tokens plus the longest completion the run asks for."""
     enforce_eager: bool | None = None
     """vLLM without CUDA graphs; null: eager on CPU, CUDA graphs on GPUs."""
-    placement: str = choice("colocated", PLACEMENTS)
+    placement: str = choice("colocated", ("colocated", "separate"))
     """colocated: every rank generates, then trains; separate: the last num_ranks ranks only generate (separate.py)."""
     num_ranks: int = bounded(0, 0)
     """placement=separate: the ranks that run engines (the last ones of the torchrun world)."""
@@ -257,7 +233,7 @@ class AlgorithmConfig(Section):
     """cispo: the weight is at least 1 - this; null: no lower bound (MiniMax-M1; verl uses clip_low)."""
     cispo_clip_high: float = bounded(4.0, 0)
     """cispo: the weight is at most 1 + this (4: ScaleRL's and TRL's cap of 5; TRL's epsilon_high - 1)."""
-    ratio_level: str = choice("token", RATIO_LEVELS)
+    ratio_level: str = choice("token", ("token", "sequence"))
     """token (PPO/GRPO/DAPO) or sequence (GSPO: clips near 3e-4 / 4e-4 and agg seq-mean-token-mean)."""
     entropy_coef: float = bounded(0.0, 0)
     """Entropy bonus, aggregated as the policy loss; 0 is off."""
@@ -273,7 +249,7 @@ class AlgorithmConfig(Section):
     """placement=separate: 1 lets the engines generate step n+1 during step n's update (needs tis_cap)."""
     tis_cap: float | None = bounded(None, 0, low_open=True)
     """Truncated IS for the rollout/trainer mismatch: weights min(exp(old - rollout), cap); null is off."""
-    tis_level: str = choice("token", IS_LEVELS)
+    tis_level: str = choice("token", ("token", "sequence"))
     """token or sequence."""
 
 
@@ -288,7 +264,7 @@ class OptimConfig(Section):
     """AdamW betas."""
     warmup_steps: int = bounded(0, 0)
     """Linear warmup steps."""
-    schedule: str = choice("constant", SCHEDULES)
+    schedule: str = choice("constant", ("constant", "linear", "cosine"))
     """constant, linear or cosine decay after warmup."""
     min_lr_ratio: float = bounded(0.0, 0, 1)
     """Final lr as a fraction of the peak for linear/cosine."""
@@ -311,14 +287,13 @@ class TrainerConfig(Section):
     """SFT: examples per step per rank."""
     sft_max_len: int = bounded(1024, 1)
     """SFT: longer examples fail at start-up."""
-    checkpoint: str = choice("full", CHECKPOINTS)
-    """What a checkpoint holds: full (weights, optimizer, RNG: a run resumes from it), weights (the HF model or
-    LoRA adapter only: for init_from and eval, about a third of full with AdamW), or none (no checkpoints)."""
+    checkpoint: str = choice("full", ("full", "weights", "none"))
+    """full (weights, optimizer, RNG: resumable), weights (HF model or LoRA adapter: for init_from, eval), or none."""
     save_every: int = bounded(0, 0)
     """Checkpoint every N steps (0: only at the end)."""
     keep_last: int = bounded(0, 0)
     """Keep only the newest K complete checkpoints (0: all)."""
-    resume: str = choice("never", RESUMES)
+    resume: str = choice("never", ("never", "auto", "always"))
     """never; auto: from the latest complete checkpoint when there is one (torchrun --max-restarts); always."""
     resume_changes: list[str] = field(default_factory=list)
     """Settings a resume may change from the run's recorded ones, e.g. [optim.lr]; other differences are refused."""
@@ -358,7 +333,7 @@ class TrainerConfig(Section):
 
 @dataclass(frozen=True)
 class Config(Section):
-    stage: str = choice("rl", STAGES)
+    stage: str = choice("rl", ("rl", "sft"))
     """rl (GRPO/DAPO) or sft."""
     seed: int = bounded(0, 0)
     """Seeds data order, sampling and initialisation."""
@@ -428,10 +403,8 @@ SEQUENCE_CLIP_LIMIT = 0.05
 
 
 def check(cfg: Config, world_size: int = 1, *, whole_world: int | None = None) -> None:
-    """Every rule that relates settings to each other and to the world (ConfigError naming the keys).
-
-    world_size: the ranks that train; whole_world: every rank of the torchrun world (more than world_size when
-    rollout.placement=separate gives some ranks to the engines; default world_size)."""
+    """Every rule that relates settings to each other and to the world (ConfigError naming the keys). world_size:
+    the ranks that train; whole_world: the torchrun world's (more under rollout.placement=separate)."""
     trainer, rollout = cfg.trainer, cfg.rollout
     if cfg.stage == "rl":
         if rollout.n < 2:
@@ -513,9 +486,8 @@ def _check_rl(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"algorithm.adv_estimator={algo.adv_estimator} is defined for outcome rewards only; set "
                           f"reward.sentence_coef=0 (or use grpo, dr_grpo or batch_std for sentence rewards)")
     if algo.tis_cap is not None and (rollout.top_p < 1 or rollout.top_k > 0):
-        # The engines report logprobs of the distribution they sampled from, here the renormalised nucleus;
-        # the trainer's are of the full one, so exp(old - rollout) would be each token's nucleus mass, a
-        # down-weighting of uncertain tokens, not the engine/trainer mismatch truncated IS is meant to correct.
+        # exp(old - rollout) would be each token's nucleus mass (the engines report logprobs of the renormalised
+        # nucleus), a down-weighting of uncertain tokens, not the engine/trainer mismatch truncated IS corrects.
         raise ConfigError(f"algorithm.tis_cap={algo.tis_cap} with rollout.top_p={rollout.top_p}, rollout.top_k="
                           f"{rollout.top_k}: truncated importance sampling compares the engine's logprobs of the "
                           f"truncated distribution with the trainer's of the full one; sample with top_p: 1.0 "
@@ -559,9 +531,6 @@ def startup_warnings(cfg: Config) -> list[str]:
     """Settings that are allowed but train something a user may not expect; printed once at start-up."""
     rollout = cfg.rollout
     if cfg.stage == "rl" and cfg.algorithm.tis_cap is None and (rollout.top_p < 1 or rollout.top_k > 0):
-        # The engines sample from (and report logprobs of) the truncated, renormalised distribution; the
-        # trainer's old and new logprobs are of the full one. The update is then off-policy by the truncation,
-        # uncorrected, and logprob_gap reads the mean -log(kept mass) of the sampled tokens.
         return [f"rollout.top_p={rollout.top_p}, rollout.top_k={rollout.top_k}: the engine samples from the "
                 f"truncated distribution, the trainer's ratio is of the full one, so the update is off-policy by "
                 f"the truncation and nothing corrects it; expect logprob_gap to read the mean -log(probability "
