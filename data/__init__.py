@@ -1,2 +1,1 @@
-"""Data: public data sets (SciFact, factual QA, verifier judgments) and a generated evidence task turned into
-verl-layout rows (rows.py), read and written as JSONL or Parquet."""
+"""Data: public data sets and a generated evidence task as verl-layout rows (rows.py), in JSONL or Parquet."""

@@ -2,9 +2,8 @@
 corpus-grounded factual QA and the answer verifier, read with the rewards' own parsers.
 
 A record: `{"data_source", "completion", "ground_truth"}` and optionally "extra_info", "completion_tokens",
-"finish_reason", "reward". score_example gives its per-example fields (launch.eval's predictions.jsonl);
-summarize aggregates them per data source. A rate over an empty denominator is 0.0 (the official SciFact
-scorer's safe division), so every metric is a number.
+"finish_reason", "reward". A rate over an empty denominator is 0.0 (the official SciFact scorer's safe
+division), so every metric is a number.
 """
 from __future__ import annotations
 
@@ -19,8 +18,6 @@ from rewards.scifact import (EVIDENCE_CAP_BELOW, LABELS, NOT_ENOUGH_INFO, REFUTE
 from rewards.verifier import gold_judgment, parse_judgment
 
 SCIFACT, FACTQA, VERIFIER = "scifact_evidence", "factqa_corpus", "verifier"
-# Prefix-constrained label: after optional reasoning closed by </think>, the reply must START with the label,
-# optionally behind an <answer> tag, markdown marks or "Answer:"/"Label:"/"Verdict:" (aliases as in the reward).
 _PREFIX_LABEL = re.compile(
     r"(?:<answer>)?[\s*_#`\"'>]*(?:(?:final\s+)?(?:answer|label|verdict)[\s*_`]*[:：][\s*_`\"']*)?"
     r"(not[\s_-]+enough[\s_-]+info(?:rmation)?|nei|supports?|supported|refutes?|refuted|contradicts?)(?![\w-])",

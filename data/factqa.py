@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from data.jsonio import exit_on_bad_input, read_records, require
+from data.jsonio import exit_on_bad_input, iter_jsonl, read_json_array, require
 from data.rows import make_row, write_rows
 
 DATA_SOURCE = "factqa_corpus"
@@ -52,7 +52,7 @@ def convert_factqa(path: str | Path, *, split: str = "train", dataset: str | Non
     path = Path(path)
     dataset = dataset or DATASET_NAMES.get(path.stem, path.stem)
     rows = []
-    for line_number, record in read_records(path):
+    for line_number, record in read_json_array(path) if path.suffix == ".json" else list(iter_jsonl(path)):
         where = f"{path}:{line_number}"
         question = require(record, "question", str, where)
         if not question.strip():

@@ -122,12 +122,6 @@ def read_json_array(path: str | Path) -> list[tuple[int, dict]]:
     return records
 
 
-def read_records(path: str | Path) -> list[tuple[int, dict]]:
-    """`(line_number, object)` pairs from a JSONL file, or from a `.json` file holding one array."""
-    path = Path(path)
-    if path.suffix == ".json":
-        return read_json_array(path)
-    return list(iter_jsonl(path))
 
 
 def require(record: dict, key: str, expected: type | tuple[type, ...], where: str) -> Any:

@@ -55,14 +55,6 @@ _AFTER_BOX = re.compile(r"[\s.。!*_`$)\]]*")
 _REASONING_TRAIL = " \t\r\n*_#-:"
 
 
-def concluding_text(text: str) -> str | None:
-    """The text after the last `</think>`; the whole text when there is no thinking; None when a `<think>`
-    was opened and never closed (the summary was never written)."""
-    lower = text.lower()
-    end = lower.rfind("</think>")
-    if end >= 0:
-        return text[end + len("</think>"):]
-    return None if "<think>" in lower else text
 
 
 def split_reasoning(summary: str) -> str | None:
@@ -98,9 +90,10 @@ def judge_sample(text: str, gold: str, *, finish_reason: str, max_reasoning_toke
         raise ValueError(f"gold judgment must be one of {JUDGMENTS}, got {gold!r}")
     if finish_reason == "length":
         return Verdict("truncated")
-    summary = concluding_text(text)
-    if summary is None:
+    end = text.lower().rfind("</think>")
+    if end < 0 and "<think>" in text.lower():  # the summary after the thinking was never written
         return Verdict("unfinished_thinking")
+    summary = text[end + len("</think>"):] if end >= 0 else text
     judged = parse_judgment(summary)
     if judged is None:
         return Verdict("label_outside_set" if last_boxed_span(summary) is not None else "no_judgment")

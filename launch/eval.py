@@ -160,12 +160,6 @@ def load_evaluation(directory: str | os.PathLike) -> dict:
     return evaluation
 
 
-def compare(directories: list[str]) -> str:
-    """Side-by-side markdown tables of evaluation directories, named by run_names, "(relaxed)" marked."""
-    evaluations = [load_evaluation(directory) for directory in directories]
-    names = [f"{name} (relaxed)" if evaluation.get("relaxed") else name
-             for name, evaluation in zip(run_names(directories), evaluations)]
-    return markdown_tables({name: evaluation["metrics"] for name, evaluation in zip(names, evaluations)})
 
 
 def run_names(directories: list[str]) -> list[str]:
@@ -250,7 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("directories", nargs="+", help="launch.eval output directories")
         parser.add_argument("--out", default=None, help="also write the tables to this file")
         args = parser.parse_args(argv[1:])
-        table = compare(args.directories)
+        evaluations = [load_evaluation(directory) for directory in args.directories]
+        names = [f"{name} (relaxed)" if evaluation.get("relaxed") else name
+                 for name, evaluation in zip(run_names(args.directories), evaluations)]
+        table = markdown_tables({name: evaluation["metrics"] for name, evaluation in zip(names, evaluations)})
         if args.out:
             atomic_write_text(args.out, table)
         print(table)

@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data.jsonio import atomic_write_text, read_json_array, read_records
+from data.jsonio import atomic_write_text, read_json_array
 from data.rows import make_row, read_rows, write_rows
 
 
@@ -160,7 +160,6 @@ def test_json_array_reports_the_line_of_each_record(tmp_path):
     path = tmp_path / "qa.json"
     path.write_text('[\n  {"q": 1},\n  {"q": 2,\n   "r": 3},\n  {"q": 4}\n]\n')
     assert read_json_array(path) == [(2, {"q": 1}), (3, {"q": 2, "r": 3}), (5, {"q": 4})]
-    assert read_records(path) == read_json_array(path)
     for text, message in [
         ('[\n {"q": 1},\n 7\n]', ":3: expected a JSON object, got int"),
         ('[\n {"q": 1}\n {"q": 2}\n]', ":3: expected ',' or ']'"),
