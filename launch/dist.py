@@ -1,7 +1,6 @@
 """This process's place in the run: the process group (torchrun) or one process, the few collectives the loops
-need, handed to them as one small frozen value (DistInfo), the CPU allocator setting, and the rank's exit.
-
-Without torchrun everything runs as one process: the collectives are identities.
+need, handed to them as one small frozen value (DistInfo; without torchrun the collectives are identities), the
+CPU allocator setting, and the rank's exit.
 """
 from __future__ import annotations
 
@@ -87,12 +86,8 @@ class Links:
 
 
 class CollectiveFailed(RuntimeError):
-    """One of the loops' collectives failed (the cause is chained), e.g. when trainer.collective_timeout_s passed:
-    launch.train names it beside the phase and the step."""
-
-    def __init__(self, collective: str):
-        super().__init__(collective)
-        self.collective = collective
+    """One of the loops' collectives failed (the message names it; the cause is chained), e.g. when
+    trainer.collective_timeout_s passed: launch.train names it beside the phase and the step."""
 
 
 def all_reduce(op, group=None) -> Callable:
@@ -107,35 +102,11 @@ def all_reduce(op, group=None) -> Callable:
     return reduce
 
 
-def process_group_options(device: torch.device, *, blocking_wait: bool = True) -> tuple[str, dict, dict]:
-    """(backend, extra init_process_group keyword arguments, environment variables to set first) for `device`.
-
-    NCCL (CUDA): device_id binds the group to this rank's GPU (the communicator is created at once, on the right
-    device, instead of lazily at the first collective). Its collectives are asynchronous: by default a timed-out
-    one is found by NCCL's watchdog thread, which tears the process down with its own message and our named
-    error (phase, step, rank) never appears. TORCH_NCCL_BLOCKING_WAIT=1 makes the calling thread wait for each
-    collective and raise there when trainer.collective_timeout_s passes, so launch.train names it as it does on
-    gloo (trainer.nccl_blocking_wait=false turns it off). A variable the user set is left as it is.
-    gloo (CPU): collectives already raise in the caller.
-
-    >>> process_group_options(torch.device("cuda", 3))
-    ('nccl', {'device_id': device(type='cuda', index=3)}, {'TORCH_NCCL_BLOCKING_WAIT': '1'})
-    >>> process_group_options(torch.device("cpu"))
-    ('gloo', {}, {})
-    """
-    if device.type != "cuda":
-        return "gloo", {}, {}
-    return "nccl", {"device_id": device}, ({"TORCH_NCCL_BLOCKING_WAIT": "1"} if blocking_wait else {})
-
-
 def init_distributed(cfg: Config | None = None) -> DistInfo:
-    """One process, or the torchrun world (nccl on CUDA, gloo on CPU: process_group_options), of any size: under
-    torchrun even one rank gets its process group and FSDP2 (`torchrun --nproc_per_node=1` runs the multi-GPU
-    code path on one GPU). Call once, before building vLLM. cfg None: the defaults (launch.demo's arms share it).
-
-    trainer.collective_timeout_s: how long a collective waits for the other ranks before it raises, so a rank that
-    died or stopped answering ends the run with an error instead of a hang. rollout.placement=separate: the
-    world is cut into trainer and engine ranks (after checking the cut), each role with its own groups."""
+    """One process, or the torchrun world of any size: under torchrun even one rank gets its process group and
+    FSDP2 (`torchrun --nproc_per_node=1` runs the multi-GPU code path on one GPU). Call once, before building
+    vLLM; cfg None: the defaults. A collective waits trainer.collective_timeout_s for the other ranks, then raises
+    (a dead rank is an error, not a hang); rollout.placement=separate cuts the world into trainer and engine ranks."""
     cfg = cfg or Config()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -150,9 +121,14 @@ def init_distributed(cfg: Config | None = None) -> DistInfo:
         return DistInfo(device=device)
     timeout = datetime.timedelta(seconds=cfg.trainer.collective_timeout_s)
     if not torch_dist.is_initialized():
-        backend, options, environment = process_group_options(device, blocking_wait=cfg.trainer.nccl_blocking_wait)
-        for name, value in environment.items():
-            os.environ.setdefault(name, value)
+        backend, options = "gloo", {}  # gloo's collectives raise in the caller when they time out
+        if cuda:
+            # device_id creates the communicator at once, on this rank's GPU. NCCL's collectives are asynchronous:
+            # a timed-out one is found by its watchdog thread, which ends the process without our named error
+            # (phase, step, rank); blocking wait raises in the calling thread instead. A user's setting is kept.
+            backend, options = "nccl", {"device_id": device}
+            if cfg.trainer.nccl_blocking_wait:
+                os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # torchrun's store outlives a restart (--max-restarts) with the dead attempt's keys still in it, and
             # gloo would dial the dead ranks' old addresses: every attempt gets keys of its own.
@@ -198,11 +174,6 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def barrier(dist: DistInfo) -> None:
-    if dist.distributed:
-        torch_dist.barrier()
-
-
 def shutdown(dist: DistInfo) -> None:
     # vLLM may have torn the group down already ("Invalid process group specified"): guard the teardown.
     if dist.distributed and torch_dist.is_initialized():
@@ -213,14 +184,10 @@ def shutdown(dist: DistInfo) -> None:
 
 
 def exit_rank(code: int) -> NoReturn:
-    """End the process with `code`; a torchrun rank (WORLD_SIZE > 1) skips the interpreter's teardown.
-
-    Call it last, after shutdown(). DTensor's caches (its sharding propagator's, its redistribute planner's) keep
-    the DeviceMesh, so the gloo process group and its threads, alive past destroy_process_group, and a finished
-    rank now and then aborted in the interpreter's teardown that followed ("terminate called without an active
-    exception", SIGABRT, no Python frame; how often is in bench/README.md). A rank has closed its files and its
-    reward workers by then, so it flushes the standard streams and the logging handlers and leaves with os._exit.
-    One process (no torchrun) exits as usual."""
+    """End the process with `code`, last, after shutdown(). A torchrun rank flushes its streams and logging and
+    leaves with os._exit: DTensor's caches keep the DeviceMesh and the gloo group's threads alive past
+    destroy_process_group, and the interpreter's teardown then sometimes aborts ("terminate called without an
+    active exception", SIGABRT; bench/README.md). One process exits as usual."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not under_torchrun():
         sys.exit(code)
     logging.shutdown()
@@ -233,11 +200,9 @@ def exit_rank(code: int) -> NoReturn:
 
 
 # --- CPU runs: glibc keeps freed memory in the process (trainer.keep_freed_memory) ------------------------------
-# By default glibc serves every block above its mmap threshold (at most 32 MB) with a fresh mmap, unmaps it on free
-# and trims the heap top, so a training step page-faults its activations, gradients and logit chunks in again
-# every step (the kernel zeroing each page). With mmap and trimming off the pages stay mapped, as an LD_PRELOADed
-# jemalloc or tcmalloc gives CPU PyTorch; bench/README.md, "Freed memory kept in the process", has the figures.
-# Only glibc has mallopt; elsewhere nothing changes. CUDA memory has its own caching allocator.
+# glibc serves every large block with a fresh mmap and unmaps it on free, so a training step page-faults its
+# activations, gradients and logit chunks in again every step. With mmap and heap trimming off the pages stay
+# mapped, as an LD_PRELOADed jemalloc or tcmalloc gives; bench/README.md, "Freed memory kept in the process".
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameters (glibc's malloc.h)
 # The same two settings as environment variables, for a process that cannot call keep_freed_memory itself

@@ -42,11 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest complete checkpoint (trainer.resume=always)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="check the recipe and data, print it and, as the last line, the plan (launch/plan.py) "
-                             "as JSON; exit")
+                        help="check the recipe and data, print it and, last, the plan (launch/plan.py) as JSON; exit")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                        help="--dry-run: plan for this device instead of this machine's (then only the recipe's "
-                             "settings are checked: its files, model and tokenizer are the target's)")
+                        help="--dry-run: plan for this device instead of this machine's (only settings are checked)")
     parser.add_argument("--world-size", type=int, default=None,
                         help="--dry-run: plan for this many torchrun ranks (default: this launch's)")
     parser.add_argument("--no-flash-attn", action="store_true",
@@ -65,15 +63,10 @@ class StopRequest:
 
 @contextmanager
 def interrupt_requests(announce: bool = True):
-    """Ctrl-C (SIGINT) and a scheduler's preemption (SIGTERM) ask the loop to stop at the end of the current
-    step; yields the StopRequest.
-
-    The step is finished rather than cut, so the checkpoint then written is one an uninterrupted run would
-    have written. A second SIGINT within 2 s counts as the same request (under torchrun each rank gets the
-    terminal's and then torchrun's copy, and torchrun sends SIGKILL 30 s later); a later one aborts at once,
-    leaving the last periodic checkpoint. A repeated SIGTERM never aborts: a scheduler (or torchrun, which
-    forwards its own) sends it once more or twice, and then SIGKILL after its grace period.
-    """
+    """Ctrl-C (SIGINT) and a scheduler's preemption (SIGTERM) ask the loop to stop at the end of the current step,
+    so the checkpoint then written is one an uninterrupted run would have written; yields the StopRequest.
+    A second SIGINT within 2 s is the same request (under torchrun a rank gets the terminal's and torchrun's copy);
+    a later one aborts at once. A repeated SIGTERM never aborts: schedulers and torchrun resend it before SIGKILL."""
     request = StopRequest()
     first: list[float] = []
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
@@ -110,14 +103,13 @@ _COLLECTIVE_HINTS = (("timed out", "a collective waited longer than trainer.coll
 
 
 def describe_failure(error: BaseException, *, rank: int, step: int | None, collective_timeout_s: float) -> str:
-    """'<phase> failed at step <n> on rank <r>: <error>': the phase and step of a grpo.trainer.StepFailed (the loops'
-    phases, held-out evaluation, checkpoint), else "training step" at `step` (or "start-up" before the loop), and
-    the collective when one of launch.dist's failed (launch.dist.CollectiveFailed)."""
+    """'<phase> failed at step <n> on rank <r>: <error>': phase and step from a grpo.trainer.StepFailed, else
+    "training step" at `step` (or "start-up"), with the collective that failed and a hint at its usual cause."""
     phase = "training step" if step is not None else "start-up"
     if isinstance(error, StepFailed):
         phase, step, error = error.phase, error.step, error.__cause__
     if isinstance(error, CollectiveFailed):
-        phase, error = f"{phase} ({error.collective})", error.__cause__
+        phase, error = f"{phase} ({error})", error.__cause__
     where = f"at step {step}" if step is not None else "at start-up"
     text = f"{type(error).__name__}: {error}"
     hints = [hint.format(timeout=collective_timeout_s) for marker, hint in _COLLECTIVE_HINTS if marker in text.lower()
@@ -153,9 +145,8 @@ def run(cfg: Config, dist: DistInfo, *, resume: bool = False, rows: list[dict] |
 
 
 def _dry_run(cfg: Config, dist: DistInfo, args: argparse.Namespace) -> None:
-    """Every check a real start makes before the model loads (launch/preflight.py), then print the config and, as
-    the last line of stdout, the plan (launch.plan.run_plan) as one JSON object. For another target (--device,
-    --world-size) only the settings are checked: the files, model and tokenizer are the target machine's."""
+    """The checks of a real start before the model loads, then the config and, as stdout's last line, the plan as
+    JSON. For another target (--device, --world-size) only the settings are checked: the files are the target's."""
     here = Target.here(dist.world_size, torchrun=dist.sharded)
     target = Target(args.device or here.device, args.world_size or dist.world_size,
                     not args.no_flash_attn and (here.flash_attn if args.device in (None, here.device) else True),
