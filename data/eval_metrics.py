@@ -57,11 +57,10 @@ def scifact_example(completion: str, ground_truth: object, *, relaxed: bool = Fa
     if relaxed and label is None:
         label = start_label
     evidence_f1 = evidence_score(items, gold_bags)
-    matched = Counter(map(normalize_text, items)) & Counter(map(normalize_text, gold_evidence))
+    matched = sum((Counter(map(normalize_text, items)) & Counter(map(normalize_text, gold_evidence))).values())
     return {"predicted_label": label, "gold_label": gold, "correct": label == gold, "prefix_label": start_label,
             "format_ok": format_score == 1 and block_label in LABELS, "evidence_f1": evidence_f1,
-            "evidence_predicted": len(items), "evidence_gold": len(gold_evidence),
-            "evidence_matched": sum(matched.values()),
+            "evidence_predicted": len(items), "evidence_gold": len(gold_evidence), "evidence_matched": matched,
             "unsupported": label in (SUPPORTS, REFUTES) and evidence_f1 < EVIDENCE_CAP_BELOW}
 
 
@@ -75,19 +74,16 @@ def scifact_metrics(examples: list[dict]) -> dict:
     precision = _rate(matched, sum(example["evidence_predicted"] for example in examples))
     recall = _rate(matched, sum(example["evidence_gold"] for example in examples))
     decisive = [example for example in examples if example["predicted_label"] in (SUPPORTS, REFUTES)]
-    return {
-        "answer_accuracy": _rate(sum(example["correct"] for example in examples), count),
-        "evidence_f1": _rate(sum(with_gold), len(with_gold)),
-        "evidence_exact_precision": precision,
-        "evidence_exact_recall": recall,
-        "evidence_exact_f1": _rate(2 * precision * recall, precision + recall),
-        "prefix_label_accuracy": _rate(sum(example["prefix_label"] == example["gold_label"] for example in examples),
-                                       count),
-        "format_rate": _rate(sum(example["format_ok"] for example in examples), count),
-        "unsupported_rate": _rate(sum(example["unsupported"] for example in decisive), len(decisive)),
-        "nei_rate": _rate(sum(example["predicted_label"] == NOT_ENOUGH_INFO for example in examples), count),
-        "no_label_rate": _rate(sum(example["predicted_label"] is None for example in examples), count),
-    }
+    return {"answer_accuracy": _rate(sum(example["correct"] for example in examples), count),
+            "evidence_f1": _rate(sum(with_gold), len(with_gold)),
+            "evidence_exact_precision": precision, "evidence_exact_recall": recall,
+            "evidence_exact_f1": _rate(2 * precision * recall, precision + recall),
+            "prefix_label_accuracy": _rate(sum(example["prefix_label"] == example["gold_label"]
+                                               for example in examples), count),
+            "format_rate": _rate(sum(example["format_ok"] for example in examples), count),
+            "unsupported_rate": _rate(sum(example["unsupported"] for example in decisive), len(decisive)),
+            "nei_rate": _rate(sum(example["predicted_label"] == NOT_ENOUGH_INFO for example in examples), count),
+            "no_label_rate": _rate(sum(example["predicted_label"] is None for example in examples), count)}
 
 
 def factqa_example(completion: str, ground_truth: object, *, relaxed: bool = False) -> dict:
@@ -112,15 +108,10 @@ def factqa_metrics(examples: list[dict]) -> dict:
     correct = sum(example["correct"] for example in examples)
     attempted = sum(example["attempted"] for example in examples)
     precision, recall = _rate(correct, attempted), _rate(correct, count)
-    return {
-        "correct_rate": recall,
-        "incorrect_rate": _rate(attempted - correct, count),
-        "not_attempted_rate": _rate(count - attempted, count),
-        "precision": precision,
-        "recall": recall,
-        "f1": _rate(2 * precision * recall, precision + recall),
-        "format_rate": _rate(sum(example["format_ok"] for example in examples), count),
-    }
+    return {"correct_rate": recall, "incorrect_rate": _rate(attempted - correct, count),
+            "not_attempted_rate": _rate(count - attempted, count), "precision": precision, "recall": recall,
+            "f1": _rate(2 * precision * recall, precision + recall),
+            "format_rate": _rate(sum(example["format_ok"] for example in examples), count)}
 
 
 def verifier_example(completion: str, ground_truth: object, extra_info: dict | None = None,
@@ -140,11 +131,9 @@ def verifier_metrics(examples: list[dict]) -> dict:
     domain, domain_accuracy {domain: accuracy} (the others under "none")."""
     count = len(examples)
     lengths = [example["judgment_tokens"] for example in examples if example["judgment_tokens"] is not None]
-    metrics = {
-        "accuracy": _rate(sum(example["correct"] for example in examples), count),
-        "parse_rate": _rate(sum(example["judgment"] is not None for example in examples), count),
-        "judgment_tokens_mean": _rate(sum(lengths), len(lengths)),
-    }
+    metrics = {"accuracy": _rate(sum(example["correct"] for example in examples), count),
+               "parse_rate": _rate(sum(example["judgment"] is not None for example in examples), count),
+               "judgment_tokens_mean": _rate(sum(lengths), len(lengths))}
     if any(example["domain"] is not None for example in examples):
         by_domain: dict[str, list[bool]] = {}
         for example in examples:

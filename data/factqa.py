@@ -14,18 +14,10 @@ from data.rows import make_row, write_rows
 
 DATA_SOURCE = "factqa_corpus"
 ABILITY = "factual_qa"
-SYSTEM_PROMPT = (
-    "Answer the question. First think it through inside <think> </think>, stating the facts you rely on, "
-    "then give only the short final answer inside <answer> </answer>."
-)
-# File stems of the factual-QA release files to short data set names (any other file keeps its stem).
-DATASET_NAMES = {
-    "nq_open_validation": "nq_open",
-    "popqa_test": "popqa",
-    "simpleqa": "simpleqa",
-    "truthfulqa": "truthfulqa",
-    "stepwise_curriculum_llama31_8b": "curriculum",
-}
+SYSTEM_PROMPT = ("Answer the question. First think it through inside <think> </think>, stating the facts you rely "
+                 "on, then give only the short final answer inside <answer> </answer>.")
+# File stems of the factual-QA release files with a shorter data set name (any other file keeps its stem).
+DATASET_NAMES = {"nq_open_validation": "nq_open", "popqa_test": "popqa", "stepwise_curriculum_llama31_8b": "curriculum"}
 
 
 def _aliases(values: list[str]) -> list[str]:

@@ -30,7 +30,6 @@ import io
 import json
 import os
 import shutil
-import sys
 import tempfile
 import weakref
 from collections.abc import Callable, Iterator
@@ -351,4 +350,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
