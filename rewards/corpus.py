@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rewards.cooccurrence import Clause, CooccurrenceCounter, ExternalTokenizer, WordTokenizer
+from rewards.cooccurrence import SEMANTICS, Clause, CooccurrenceCounter, ExternalTokenizer, WordTokenizer
 
 META_FILE, VOCAB_FILE = "nanogrpo-index.json", "vocab.txt"
 FORMAT, VERSION = "nanogrpo-corpus-index", 2  # version 1: the "u16" layout, rare words capped
@@ -325,15 +325,13 @@ def main(argv: list[str] | None = None) -> None:
     build.add_argument("--input", required=True, help="jsonl file, one object with a string text field per line")
     build.add_argument("--out", required=True, help="new (or empty) index directory")
     build.add_argument("--text-field", default="text")
-    build.add_argument("--cpus", type=int, default=None,
-                       help="suffix-array builder jobs (default: 1 below 16 MiB of tokens, else up to 8)")
+    build.add_argument("--cpus", type=int, default=None, help="suffix-array builder jobs (default: by corpus size)")
     count = commands.add_parser("count", help="count a head/tail co-occurrence in an index")
     count.add_argument("--index", required=True)
     count.add_argument("--head", required=True, action="append", help="head phrase (repeatable)")
     count.add_argument("--tail", required=True, action="append", help="tail phrase (repeatable)")
     count.add_argument("--window", type=int, default=1000)
-    count.add_argument("--semantics", choices=("engine", "document"), default="engine",
-                       help="window definition (rewards.cooccurrence): infini-gram's count_cnf, or per document")
+    count.add_argument("--semantics", choices=SEMANTICS, default="engine", help="see rewards.cooccurrence")
     arguments = parser.parse_args(argv)
     try:
         if arguments.command == "build":
