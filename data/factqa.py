@@ -36,13 +36,12 @@ def factqa_row(question: str, aliases: list[str], *, index: int, split: str, dat
                     split=split, dataset=dataset, answer=cleaned[0], **extra_info)
 
 
-def convert_factqa(path: str | Path, *, split: str = "train", dataset: str | None = None,
-                   start_index: int = 0) -> list[dict]:
+def convert_factqa(path: str | Path, *, split: str = "train", start_index: int = 0) -> list[dict]:
     """Rows from a `.json` array or `.jsonl` file of `{question, answer, aliases}` (NQ-Open, PopQA, SimpleQA,
     TruthfulQA: the answer leads the aliases) or `{question, answers, title}` (the learning-zone curriculum,
     `;`-joined; the titles go to `extra_info["titles"]`)."""
     path = Path(path)
-    dataset = dataset or DATASET_NAMES.get(path.stem, path.stem)
+    dataset = DATASET_NAMES.get(path.stem, path.stem)
     rows = []
     for line_number, record in read_json_array(path) if path.suffix == ".json" else list(iter_jsonl(path)):
         where = f"{path}:{line_number}"
