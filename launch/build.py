@@ -1,7 +1,6 @@
-"""Turn a Config into a run: checked data and tokenizer (launch/preflight.py first, so a bad recipe fails in
-seconds and writes nothing), the model (sharded under torchrun), the KL reference, the optimizer and schedule,
-the engine, the scorer, where the batches come from (this rank's engine, or the engine ranks of a separate
-placement), the run directory's log and the checkpointer that owns progress; and which loop this rank runs.
+"""Turn a Config into a run, in order of cost: the start-up checks (launch/preflight.py), the scorer, the model
+(sharded under torchrun), the KL reference, optimizer and schedule, the engine and where the batches come from
+(this rank's engine, or the engine ranks of a separate placement), the checkpointer, the log; and the loop to run.
 """
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 
 from grpo.config import Config, ConfigError
 from grpo.groups import LocalRollout, PromptSampler
@@ -24,9 +22,8 @@ from launch.checkpointing import Checkpointer
 from launch.dist import DistInfo, keep_freed_memory
 from launch.plan import Target, attention, own_engine_copy, precision, vllm_arguments
 from launch.preflight import Prepared, prepare
-from launch.recipe import to_dict
 from launch.reward_pool import reward_functions
-from launch.runlog import RunLog, jsonable, truncate_metrics_file
+from launch.runlog import RunLog, jsonable
 from launch.separate import RemoteRollout, serve
 from models import load_model, resolve_model_dir
 from models.chat import prefix_decoder
@@ -63,9 +60,8 @@ class Run:
 def build_engine(cfg: Config, target: Target, model_dir: Path, tokenizer, *, device: torch.device, dp_rank: int = 0,
                  policy: torch.nn.Module | None = None):
     """The engine launch/plan.py decides for the target: vLLM, or the transformers engine on the policy module
-    itself (`policy`, when the plan lets it: one process, one dtype) or on a copy of its own in the compute
-    dtype (bf16 sampling beside fp32 master weights, as vLLM does), loaded from model_dir. dp_rank: the replica
-    (its vLLM seed: tensor-parallel peers sample identically)."""
+    itself (`policy`, when the plan lets it) or on a copy of its own in the compute dtype, loaded from model_dir.
+    dp_rank: the replica (its vLLM seed: tensor-parallel peers sample identically)."""
     if cfg.rollout.engine == "vllm":
         return VLLMEngine(vllm_arguments(cfg, target, str(model_dir), dp_rank))
     if policy is not None and not own_engine_copy(cfg, target):
@@ -76,10 +72,9 @@ def build_engine(cfg: Config, target: Target, model_dir: Path, tokenizer, *, dev
 
 
 def build_scorer(cfg: Config, dist: DistInfo, prepared: Prepared) -> tuple[Scorer, object | None]:
-    """The one Scorer of the run (training and held-out alike) and its reward worker pool, if any; each data
-    source's reward is first called on its first row with an empty completion, so a wrong signature, an error or
-    a result that is not a finite number or a dict with a finite "score" ends the start-up, before the model
-    loads, in one line naming the reward, the row and what it returned."""
+    """The one Scorer of the run (training and held-out alike) and its reward worker pool, if any. Each data
+    source's reward is first called on its first row with an empty completion: a wrong signature, an error or a
+    result that is not a finite number or a dict with a finite "score" ends the start-up in one line."""
     compute_score, compute_scores, pool = reward_functions(cfg.reward, prepared.rows + prepared.eval_rows,
                                                            device=str(dist.device))
     first = {}
@@ -98,11 +93,9 @@ def build_scorer(cfg: Config, dist: DistInfo, prepared: Prepared) -> tuple[Score
 
 
 def _load(cfg: Config, dist: DistInfo, prepared: Prepared, target: Target, *, policy: bool) -> torch.nn.Module:
-    """The policy (master weights in model.dtype, LoRA adapters when model.lora.enabled, gradient checkpointing as
-    set) or the frozen reference (in the compute dtype), sharded under torchrun. With several ranks only rank 0
-    reads the weights; the others build the model on the meta device and receive their shards
-    (models.fsdp.load_sharded_model), so a node never holds a full copy per rank (8 ranks x 8B in fp32 would be
-    256 GB of host memory)."""
+    """The policy (master weights in model.dtype, LoRA adapters, gradient checkpointing as set) or the frozen
+    reference (in the compute dtype), sharded under torchrun, where only rank 0 reads the weights and the others
+    receive their shards (models.fsdp.load_sharded_model): a node never holds a full copy per rank."""
     lora = cfg.model.lora
 
     def add_lora(model):
@@ -131,10 +124,8 @@ def _load(cfg: Config, dist: DistInfo, prepared: Prepared, target: Target, *, po
 
 
 def _policy(cfg: Config, dist: DistInfo, prepared: Prepared, target: Target) -> tuple[Policy, torch.nn.Module | None]:
-    """(Policy, the KL reference or None): the model (LoRA adapters applied, sharded under torchrun), fused AdamW
-    over its trainable weights, the warmup/decay schedule; the reference is the frozen starting model (stored in
-    the compute dtype: a frozen model needs no master copy, launch.plan.precision), or with LoRA the policy itself,
-    whose adapters the reference pass disables (no second model)."""
+    """(Policy, the KL reference or None): the model, fused AdamW over its trainable weights, the warmup/decay
+    schedule; the reference is the frozen starting model or, with LoRA, the policy itself with adapters disabled."""
     model = _load(cfg, dist, prepared, target, policy=True)
     if not dist.sharded:
         compute_in(model, getattr(torch, cfg.model.param_dtype))  # FSDP2 does this under torchrun
@@ -143,8 +134,7 @@ def _policy(cfg: Config, dist: DistInfo, prepared: Prepared, target: Target) -> 
     if cfg.stage == "rl" and cfg.algorithm.kl_coef > 0:
         reference = (model if cfg.model.lora.enabled
                      else _load(cfg, dist, prepared, target, policy=False).eval().requires_grad_(False))
-    # fused: one kernel over all parameters (CPU and CUDA, DTensor shards too), faster than the per-parameter
-    # loop on CPU (bench/README.md).
+    # fused: one kernel over all parameters (DTensor shards too), faster than the per-parameter loop on CPU.
     optim = cfg.optim
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=optim.lr,
                                   betas=tuple(optim.betas), weight_decay=optim.weight_decay, fused=True)
@@ -218,20 +208,9 @@ def _training(cfg: Config, dist: DistInfo, prepared: Prepared, run_dir: Path, sc
             else:  # the policy may hold resumed or initial weights the engine does not
                 rollout.sync_weights()
     start = checkpoints.start_step
-    if dist.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if start == 0:  # a fresh run: an earlier run's checkpoints go only with trainer.overwrite (preflight)
-            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-            for earlier in run_dir.glob("config_step_*.yaml"):
-                earlier.unlink()
-        # The settings of every start, beside the first (a resume compares with the latest: launch.preflight).
-        name = "config.yaml" if start == 0 else f"config_step_{start}.yaml"
-        (run_dir / name).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        # Lines of steps after the checkpoint are redone; a run that starts at step 0 replaces the logs of an earlier
-        # run in the same directory instead of appending to them.
-        truncate_metrics_file(run_dir, start)
-    log = RunLog(run_dir, total_steps=cfg.trainer.steps, start_step=start, enabled=dist.is_main,
-                 description=cfg.stage, wandb_project=cfg.trainer.wandb_project, config=to_dict(cfg))
+    if dist.is_main and start == 0:  # a fresh run: an earlier run's checkpoints go only with trainer.overwrite
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    log = RunLog(cfg, run_dir, start_step=start, enabled=dist.is_main)
     for warning in prepared.warnings:
         log.warn(warning)
     if prepared.latest is not None:

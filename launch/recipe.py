@@ -18,10 +18,6 @@ import yaml
 from grpo.config import Config, ConfigError
 
 
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
-
-
 def _coerce(value, tp, key: str):
     """Check `value` against the annotation `tp`; ints are accepted for floats. Raises ConfigError."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -53,7 +49,7 @@ def _coerce(value, tp, key: str):
         except ValueError:
             pass
     if tp in (int, float, str, bool) and (type(value) is not tp):
-        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+        raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r} ({type(value).__name__})")
     return value
 
 
@@ -72,15 +68,6 @@ def _build(cls, values: dict, prefix: str = ""):
         kwargs[key] = (_build(tp, value, f"{prefix}{key}.") if dataclasses.is_dataclass(tp)
                        else _coerce(value, tp, f"{prefix}{key}"))
     return cls(**kwargs)  # the section checks its choices and ranges (grpo.config.Section)
-
-
-def _set_dotted(tree: dict, dotted: str, value) -> None:
-    parts = dotted.split(".")
-    for part in parts[:-1]:
-        tree = tree.setdefault(part, {})
-        if not isinstance(tree, dict):
-            raise ConfigError(f"override {dotted}: {part} is not a section")
-    tree[parts[-1]] = value
 
 
 def load_config(path: str | Path | dict | None = None, overrides: list[str] = ()) -> Config:
@@ -103,13 +90,15 @@ def load_config(path: str | Path | dict | None = None, overrides: list[str] = ()
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.sub=value")
         key, raw = item.split("=", 1)
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+        *sections, name = key.strip().split(".")
+        section = tree
+        for part in sections:
+            section = section.setdefault(part, {})
+            if not isinstance(section, dict):
+                raise ConfigError(f"override {key.strip()}: {part} is not a section")
+        section[name] = yaml.safe_load(raw) if raw.strip() else ""
     where = f" (in {path})" if path else ""
     try:
         return _build(Config, tree)
     except ConfigError as error:
         raise ConfigError(f"{error}{where}") from None
-
-
-def to_dict(config: Config) -> dict:
-    return dataclasses.asdict(config)

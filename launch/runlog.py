@@ -1,15 +1,18 @@
-"""The run directory's logs: metrics.jsonl, samples.jsonl, a tqdm bar with the live reward, optional TensorBoard.
-
-Only rank 0 writes; other ranks get a logger whose methods do nothing.
+"""The run directory's records: the settings of every start, metrics.jsonl, samples.jsonl, a tqdm bar with the live
+reward, optional TensorBoard and Weights & Biases. Only rank 0 writes; other ranks' methods do nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
 from pathlib import Path
 
+import yaml
 from tqdm import tqdm
+
+from grpo.config import Config
 
 
 def jsonable(value):
@@ -25,24 +28,33 @@ def jsonable(value):
 
 
 class RunLog:
-    """wandb_project: also log every step's numbers to Weights & Biases (imported only then; WANDB_MODE=offline
-    writes the run under run_dir/wandb without a network), with `config` as the run's configuration."""
+    """A run's log from `start_step` on. The settings go to config.yaml at step 0 and beside it to
+    config_step_<n>.yaml at each resume (a resume compares with the latest: launch.preflight); lines of
+    metrics.jsonl and samples.jsonl after the start are dropped (a resume redoes those steps, a fresh run replaces
+    an earlier run's). trainer.wandb_project also logs to Weights & Biases (WANDB_MODE=offline: under run_dir)."""
 
-    def __init__(self, run_dir: Path, *, total_steps: int, start_step: int = 0, enabled: bool = True,
-                 description: str = "train", wandb_project: str | None = None, config: dict | None = None):
-        self.enabled = enabled
-        self.run_dir = Path(run_dir)
-        self.bar = None
-        self.tensorboard = None
-        self.wandb = None
+    def __init__(self, cfg: Config, run_dir: Path, *, start_step: int = 0, enabled: bool = True):
+        self.enabled, self.run_dir = enabled, Path(run_dir)
+        self.bar = self.tensorboard = self.wandb = None
         if not enabled:
             return
-        if wandb_project:
-            import wandb
-            self.wandb = wandb.init(project=wandb_project, name=self.run_dir.name, dir=str(self.run_dir),
-                                    config=config, resume="allow")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.bar = tqdm(total=total_steps, initial=start_step, desc=description, dynamic_ncols=True,
+        settings = dataclasses.asdict(cfg)
+        if start_step == 0:
+            for earlier in self.run_dir.glob("config_step_*.yaml"):
+                earlier.unlink()
+        name = "config.yaml" if start_step == 0 else f"config_step_{start_step}.yaml"
+        (self.run_dir / name).write_text(yaml.safe_dump(settings, sort_keys=False))
+        for path in (self.run_dir / "metrics.jsonl", self.run_dir / "samples.jsonl"):
+            if path.exists():
+                kept = [line for line in path.read_text().splitlines() if line.strip()
+                        and json.loads(line).get("step", 0) <= start_step]
+                path.write_text("".join(line + "\n" for line in kept))
+        if cfg.trainer.wandb_project:
+            import wandb
+            self.wandb = wandb.init(project=cfg.trainer.wandb_project, name=self.run_dir.name,
+                                    dir=str(self.run_dir), config=settings, resume="allow")
+        self.bar = tqdm(total=cfg.trainer.steps, initial=start_step, desc=cfg.stage, dynamic_ncols=True,
                         file=sys.stderr)
         try:  # optional: only when installed
             from torch.utils.tensorboard import SummaryWriter
@@ -88,15 +100,3 @@ class RunLog:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
-
-
-def truncate_metrics_file(run_dir: Path, after_step: int) -> None:
-    """Drop the metric and sample lines of steps after `after_step`: on resume they will be redone; starting
-    fresh (after_step 0) they belong to an earlier run."""
-    for name in ("metrics.jsonl", "samples.jsonl"):
-        path = Path(run_dir) / name
-        if not path.exists():
-            continue
-        kept = [line for line in path.read_text().splitlines() if line.strip()
-                and json.loads(line).get("step", 0) <= after_step]
-        path.write_text("".join(line + "\n" for line in kept))

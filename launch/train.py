@@ -32,7 +32,7 @@ from launch.build import build, build_scorer
 from launch.dist import CollectiveFailed, DistInfo, exit_rank, init_distributed, shutdown
 from launch.plan import Target, check_plan, run_plan
 from launch.preflight import prepare
-from launch.recipe import load_config, to_dict
+from launch.recipe import load_config
 from models import resolve_model_dir
 
 
@@ -167,7 +167,7 @@ def _dry_run(cfg: Config, dist: DistInfo, args: argparse.Namespace) -> None:
         check_plan(cfg, target)
         warnings, summary = startup_warnings(cfg), f"ok: settings checked for {target.device} x {target.world_size}"
     if dist.is_main:
-        print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        print(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
         for warning in warnings:
             print(f"WARNING: {warning}", file=sys.stderr)
         print(summary)
