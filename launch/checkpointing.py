@@ -1,11 +1,8 @@
-"""The one object that owns a run's progress: where it starts (a resumed checkpoint or step 0), which steps
-are done, when a checkpoint is written (periodic, final, on a stop request) and what goes into it.
-
-The loops see it through grpo.trainer.Checkpoints (`start_step`, `end_step`, `finish`). A checkpoint holds the
-weights (HF format, or the LoRA adapter), the optimizer, the schedule and every rank's data position, and is
-written atomically by models/checkpoint.py (a failed write removes its partial directory and names the bytes it
-needed); non-finite weights are never written; with trainer.keep_last=K only the newest K are kept, and an older
-one is deleted only once a newer one is complete.
+"""The one object that owns a run's progress: where it starts (a resumed checkpoint or step 0), which steps are done,
+when a checkpoint is written (periodic, final, on a stop request) and what goes into it: the weights (HF format, or
+the LoRA adapter), the optimizer, the schedule and every rank's data position, written atomically by
+models/checkpoint.py. Non-finite weights are never written; trainer.keep_last deletes older checkpoints only once a
+newer one is complete. The loops see it through grpo.trainer.Checkpoints.
 """
 from __future__ import annotations
 
@@ -39,52 +36,41 @@ class Checkpointer:
         self.positions: list[int] | None = None
         self.step = 1  # the step the run is at: the one in progress, or the one being checkpointed (for errors)
 
-    def resume(self, checkpoint: Path) -> int:
+    def resume(self, checkpoint: Path) -> None:
         """Load weights, optimizer, schedule and this rank's data position from `checkpoint` (checked before
-        anything is loaded); the run continues after its step, which is returned."""
+        anything is loaded); the run continues after its step."""
         step, extra = load_checkpoint(checkpoint, self.policy.model, self.policy.optimizer)
         self.policy.scheduler.load_state_dict(extra["scheduler"])
         self.positions = list(extra["sampler_position"])  # every rank's, for the rollout ranks of a separate placement
         self.sampler.position = self.positions[self.dist.rank]
         self.start_step = self.completed_steps = step
         self.step = step + 1
-        return step
 
-    def save(self, step: int) -> Path | None:
-        """Write checkpoints/step_<step> (None with trainer.checkpoint=none), then delete the ones trainer.keep_last
-        no longer keeps; RuntimeError, before anything is written, when a weight is not finite."""
+    def save(self, step: int) -> None:
+        """Write checkpoints/step_<step> (nothing with trainer.checkpoint=none), then delete the older ones
+        trainer.keep_last no longer keeps (not those of later steps an earlier run left); RuntimeError, before
+        anything is written, when a weight is not finite."""
         if self.holds == "none":
-            return None
-        with phase("checkpoint", step):
-            target = self._write(step)
-            if self.keep_last and self.dist.rank == 0:
-                self._delete_older(step)
-        return target
-
-    def _delete_older(self, newest: int) -> None:
-        """Keep step_<newest> (just written, complete) and the keep_last - 1 complete checkpoints before it; delete
-        older ones. Checkpoints of later steps (left by an earlier run in this directory) are not touched."""
-        older = [path for step, path in complete_checkpoints(self.directory) if step < newest]
-        for path in older[:max(0, len(older) - (self.keep_last - 1))]:
-            shutil.rmtree(path)
-
-    def _write(self, step: int) -> Path:
+            return
         dist, model = self.dist, self.policy.model
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
-        bad = dist.all_reduce_max(torch.tensor(float(not all(bool(torch.isfinite(p).all()) for p in local)),
-                                               device=dist.device))
-        if bool(bad > 0):
-            raise RuntimeError(f"refusing to write checkpoint step_{step}: the model has non-finite weights")
-        # Ranks consume prompts at different rates under dynamic sampling: keep every rank's position.
-        one_hot = torch.zeros(dist.world_size, dtype=torch.float64, device=dist.device)
-        one_hot[dist.rank] = self.sampler.position
-        positions = [int(p) for p in dist.all_reduce_sum(one_hot).tolist()]
-        extra = {"scheduler": self.policy.scheduler.state_dict(), "sampler_position": positions}
-        target = self.directory / f"step_{step}"
-        optimizer = self.policy.optimizer if self.holds == "full" else None
-        save_checkpoint(target, model, self.tokenizer, optimizer, step, extra=extra,
-                        merged_export=self.lora.merged_export)
-        return target
+        with phase("checkpoint", step):
+            local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+            bad = dist.all_reduce_max(torch.tensor(float(not all(bool(torch.isfinite(p).all()) for p in local)),
+                                                   device=dist.device))
+            if bool(bad > 0):
+                raise RuntimeError(f"refusing to write checkpoint step_{step}: the model has non-finite weights")
+            # Ranks consume prompts at different rates under dynamic sampling: keep every rank's position.
+            one_hot = torch.zeros(dist.world_size, dtype=torch.float64, device=dist.device)
+            one_hot[dist.rank] = self.sampler.position
+            positions = [int(p) for p in dist.all_reduce_sum(one_hot).tolist()]
+            extra = {"scheduler": self.policy.scheduler.state_dict(), "sampler_position": positions}
+            optimizer = self.policy.optimizer if self.holds == "full" else None
+            save_checkpoint(self.directory / f"step_{step}", model, self.tokenizer, optimizer, step, extra=extra,
+                            merged_export=self.lora.merged_export)
+            if self.keep_last and dist.rank == 0:
+                older = [path for done, path in complete_checkpoints(self.directory) if done < step]
+                for path in older[:max(0, len(older) - (self.keep_last - 1))]:
+                    shutil.rmtree(path)
 
     def end_step(self, done: int) -> bool:
         """Record step `done` (1-based). True when a stop was requested (the loop breaks and `finish` writes
