@@ -3,10 +3,8 @@ registered by path, the corpus index exported to the factqa_corpus reward, that 
 extractor (a local causal LM is assembled here: rewards know no model) and window, and optionally workers.
 
 Workers (reward.num_workers) score a step's completions concurrently; a call past reward.timeout_s is abandoned
-(its worker killed and replaced) and a worker that dies is an error naming its process and exit code. A fork
-server starts them: a fresh single-threaded process without torch (forking the training process, with its
-threads, process group or CUDA, is not safe). Each worker rebuilds the registry and reports which function
-each data source resolves to; one that differs from this process's fails at start-up.
+(its worker killed and replaced), a worker that dies is an error naming its process and exit code. A fork server
+starts them without torch (forking the training process, with its threads, process group or CUDA, is not safe).
 """
 from __future__ import annotations
 
@@ -116,12 +114,6 @@ def _check_main_guard(num_workers: int) -> None:
                           f"its training call under `if __name__ == \"__main__\":` (or set reward.num_workers=0)")
 
 
-def _remote_error(message: str, remote_traceback: str) -> RewardWorkerError:
-    error = RewardWorkerError(message)
-    error.add_note(f"in the reward worker:\n{remote_traceback}")
-    return error
-
-
 class RewardPool:
     """reward.num_workers processes scoring (data_source, solution_str, ground_truth, extra_info) calls."""
 
@@ -133,15 +125,26 @@ class RewardPool:
         self.context.set_forkserver_preload(["rewards", "launch.reward_pool"])
         self.workers: list[_Worker | None] = [None] * reward.num_workers
 
-    def start(self) -> dict[str, str]:
-        """Start every worker (in parallel) and return {data_source: function identity} as the workers see it."""
+    def start(self) -> None:
+        """Start every worker (in parallel), once each data source resolves to the same function in them as here
+        (a reward registered in code only does not reach a new process); closed again when one does not."""
+        from grpo.config import ConfigError  # grpo.config imports torch, which the workers do not need
         _check_main_guard(self.reward.num_workers)
-        identities = {}
-        for worker in self._spawn_missing():
-            identities = self._await_ready(worker)
-        return identities
+        try:
+            theirs = self._start_missing()
+            for source in self.data_sources:
+                ours = function_identity(rewards.get_reward(source))
+                if theirs.get(source) != ours:
+                    raise ConfigError(
+                        f"reward.num_workers={self.reward.num_workers}: data_source {source!r} is {ours} here but "
+                        f"{theirs.get(source)} in the reward workers (a reward registered in code does not reach a "
+                        f"new process): name it by path in reward.functions, or set reward.num_workers=0")
+        except BaseException:
+            self.close()
+            raise
 
-    def _spawn_missing(self) -> list[_Worker]:
+    def _start_missing(self) -> dict[str, str]:
+        """(Re)start the workers not running, in parallel; {data_source: function identity} as they see it."""
         started = []
         for slot, worker in enumerate(self.workers):
             if worker is None or not worker.process.is_alive():
@@ -152,22 +155,22 @@ class RewardPool:
                 there.close()  # the worker holds its end: EOF here means the worker is gone
                 self.workers[slot] = _Worker(process, here)
                 started.append(self.workers[slot])
-        return started
-
-    def _await_ready(self, worker: _Worker) -> dict[str, str]:
-        if not worker.connection.poll(START_TIMEOUT_S):
-            raise RewardWorkerError(f"reward worker pid {worker.process.pid} did not start within "
-                                    f"{START_TIMEOUT_S:g} s")
-        try:
-            status, payload, remote_traceback = worker.connection.recv()
-        except EOFError:
-            worker.process.join()
-            raise RewardWorkerError(f"reward worker pid {worker.process.pid} died while starting "
-                                    f"(exit code {worker.process.exitcode})") from None
-        if status != "ready":
-            from grpo.config import ConfigError  # grpo.config imports torch, which the workers do not need
-            raise ConfigError(f"reward.num_workers: a reward worker could not set up the rewards: {payload}")
-        return payload
+        identities = {}
+        for worker in started:
+            if not worker.connection.poll(START_TIMEOUT_S):
+                raise RewardWorkerError(f"reward worker pid {worker.process.pid} did not start within "
+                                        f"{START_TIMEOUT_S:g} s")
+            try:
+                status, payload, _ = worker.connection.recv()
+            except EOFError:
+                worker.process.join()
+                raise RewardWorkerError(f"reward worker pid {worker.process.pid} died while starting "
+                                        f"(exit code {worker.process.exitcode})") from None
+            if status != "ready":
+                from grpo.config import ConfigError  # grpo.config imports torch, which the workers do not need
+                raise ConfigError(f"reward.num_workers: a reward worker could not set up the rewards: {payload}")
+            identities = payload
+        return identities
 
     def compute_score(self, data_source, solution_str, ground_truth, extra_info=None):
         """One call, as rewards.compute_score: the result, or the call's error raised."""
@@ -180,8 +183,7 @@ class RewardPool:
         """One outcome per call, in order: the reward's result, or the exception of a call that failed (the reward
         raised, its worker died, or it ran past reward.timeout_s). After the first failure no call is started and
         the calls in flight are abandoned (their workers killed): their outcomes stay None."""
-        for worker in self._spawn_missing():  # replaces workers killed or dead since the last call
-            self._await_ready(worker)
+        self._start_missing()  # replaces workers killed or dead since the last call
         outcomes: list = [None] * len(calls)
         waiting = list(range(len(calls)))[::-1]
         busy: dict[int, tuple[int, float]] = {}  # worker slot -> (call index, deadline)
@@ -219,9 +221,13 @@ class RewardPool:
         if worker.connection.poll():
             try:
                 status, payload, remote_traceback = worker.connection.recv()
-                return payload if status == "ok" else _remote_error(payload, remote_traceback)
             except (EOFError, OSError):
                 return self._died(slot)
+            if status == "ok":
+                return payload
+            error = RewardWorkerError(payload)
+            error.add_note(f"in the reward worker:\n{remote_traceback}")
+            return error
         if not worker.process.is_alive():
             return self._died(slot)
         if time.monotonic() >= deadline:
@@ -318,7 +324,8 @@ def reward_functions(reward: RewardConfig, rows: list[dict], *, device: str = "c
     as this process); else the configured factqa_corpus reward is dispatched here, ahead of the registry."""
     register_functions(reward.functions, reward.corpus_index)
     if reward.num_workers:
-        pool = _start_pool(reward, rows)
+        pool = RewardPool(reward, [row["data_source"] for row in rows])
+        pool.start()
         return pool.compute_score, pool.compute_scores, pool
     configured = factqa_reward_for(reward, device=device)
     if configured is None:
@@ -330,24 +337,3 @@ def reward_functions(reward: RewardConfig, rows: list[dict], *, device: str = "c
                                         configured(data_source, solution_str, ground_truth, extra_info))
         return rewards.compute_score(data_source, solution_str, ground_truth, extra_info)
     return compute_score, None, None
-
-
-def _start_pool(reward: RewardConfig, rows: list[dict]) -> RewardPool:
-    """The reward workers, started, once each data source of `rows` resolves to the same function in them as here
-    (a reward registered in code only does not reach a new process)."""
-    from grpo.config import ConfigError  # grpo.config imports torch, which the workers do not need
-    sources = sorted({row["data_source"] for row in rows})
-    pool = RewardPool(reward, sources)
-    try:
-        theirs = pool.start()
-        ours = {source: function_identity(rewards.get_reward(source)) for source in sources}
-        for source in sources:
-            if theirs.get(source) != ours[source]:
-                raise ConfigError(
-                    f"reward.num_workers={reward.num_workers}: data_source {source!r} is {ours[source]} here but "
-                    f"{theirs.get(source)} in the reward workers (a reward registered in code does not reach a new "
-                    f"process): name it by path in reward.functions, or set reward.num_workers=0")
-    except BaseException:
-        pool.close()
-        raise
-    return pool
