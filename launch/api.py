@@ -8,6 +8,7 @@ Under torchrun every rank runs the same script; without it the run is one proces
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Mapping, Sequence
 
@@ -58,14 +59,12 @@ def train(config: str | os.PathLike | Mapping | None = None, *, overrides: Seque
 
 def _data_sources(cfg, train_rows, eval_rows) -> set[str]:
     """The data sources of the run's rows: those given, else those of data.train_files / data.eval_files."""
-    def from_files(paths):
-        rows = []
+    rows = []
+    for given, paths in ((train_rows, cfg.data.train_files), (eval_rows, cfg.data.eval_files)):
+        if given is not None:
+            rows += list(given)
+            continue
         for path in paths:
-            try:
+            with contextlib.suppress(OSError, ValueError):  # the start-up checks name a missing or bad file
                 rows += read_rows(path)
-            except (OSError, ValueError):  # the start-up checks name a missing or bad file
-                pass
-        return rows
-    rows = list(train_rows) if train_rows is not None else from_files(cfg.data.train_files)
-    rows += list(eval_rows) if eval_rows is not None else from_files(cfg.data.eval_files)
     return {row["data_source"] for row in rows if isinstance(row, dict) and "data_source" in row}

@@ -4,6 +4,7 @@ CPU allocator setting, and the rank's exit.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import datetime
@@ -61,7 +62,6 @@ class DistInfo:
 
     @property
     def dp_rank(self) -> int:
-        """The replica (data-parallel group of the rollout) this rank belongs to."""
         return self.rank // self.tp_size
 
     @property
@@ -70,7 +70,6 @@ class DistInfo:
 
     @property
     def tp_rank(self) -> int:
-        """This rank's place in its replica: which share of the replica's groups it trains on."""
         return self.rank % self.tp_size
 
 
@@ -177,10 +176,8 @@ def under_torchrun() -> bool:
 def shutdown(dist: DistInfo) -> None:
     # vLLM may have torn the group down already ("Invalid process group specified"): guard the teardown.
     if dist.distributed and torch_dist.is_initialized():
-        try:
+        with contextlib.suppress(Exception):
             torch_dist.destroy_process_group()
-        except Exception:
-            pass
 
 
 def exit_rank(code: int) -> NoReturn:
@@ -192,10 +189,8 @@ def exit_rank(code: int) -> NoReturn:
         sys.exit(code)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # closed or gone (a broken pipe): nothing can reach it
             stream.flush()
-        except (OSError, ValueError):  # closed or gone (a broken pipe): nothing more can reach it
-            pass
     os._exit(code)
 
 

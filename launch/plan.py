@@ -1,8 +1,7 @@
-"""What a run gets on a target machine, decided by pure functions of the config and the target (device, world
-size, flash-attn): the precision of the policy, the reference and the engine, the attention implementation,
-the keyword arguments vLLM is built with, the order of one step's engine calls, and which ranks share prompts
-and seeds. `launch.train --dry-run --device cuda --world-size 8` prints them (`run_plan`); launch/build.py builds
-from the same functions, so the printed plan is what runs. Nothing here loads a model or touches a device.
+"""What a run gets on a target machine (device, world size, flash-attn), as pure functions of the config and the
+target: precisions, attention, vLLM's arguments, one step's engine calls, which ranks share prompts and seeds.
+`launch.train --dry-run --device cuda --world-size 8` prints them (`run_plan`); launch/build.py builds from the
+same functions, so the printed plan is what runs.
 """
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ CPU_VLLM_CYCLE = ("generate", "train", "update_weights", "reset_prefix_cache")  
 @dataclass(frozen=True)
 class Target:
     """The machine a plan is for: device type ("cpu" or "cuda"), torchrun world size, whether flash-attn imports
-    there (a CUDA node with the `gpu` extra installed has it), and whether torchrun launches it (then even one
-    rank is sharded with FSDP2: launch.dist.init_distributed)."""
+    there, and whether torchrun launches it (then even one rank is sharded with FSDP2)."""
     device: str = "cpu"
     world_size: int = 1
     flash_attn: bool = False
@@ -46,11 +44,8 @@ class Target:
 
 
 def tp_groups(world_size: int, tensor_parallel_size: int) -> list[list[int]]:
-    """Consecutive ranks per replica (vLLM's external launcher groups them so): [[0, 1], [2, 3], ...] at TP 2.
-
-    The ranks of a group submit identical requests (the same prompts, the same seeds) and get the same
-    completions; each of them then trains on its own share of the groups.
-    """
+    """Consecutive ranks per replica (as vLLM's external launcher groups them): [[0, 1], [2, 3], ...] at TP 2.
+    A group's ranks submit the same prompts and seeds, get the same completions, and each trains on its share."""
     return [list(range(start, start + tensor_parallel_size)) for start in range(0, world_size, tensor_parallel_size)]
 
 
@@ -63,10 +58,8 @@ def model_len(cfg: Config) -> int:
 
 
 def precision(cfg: Config, target: Target) -> dict:
-    """The dtypes of every path. The policy keeps its master weights in model.dtype and computes in
-    model.param_dtype (FSDP2's MixedPrecisionPolicy under torchrun; torch.autocast in one process), gradients
-    reduced and accumulated in float32. A frozen reference needs no master copy: it is stored and computed in
-    the compute dtype. The logits that feed logprobs are float32 on every path."""
+    """The dtypes of every path: the policy's master weights (model.dtype), compute (model.param_dtype) and float32
+    gradients; a frozen reference needs no master copy (stored in the compute dtype); logits are float32."""
     compute, mechanism = cfg.model.param_dtype, "none"
     if target.sharded:
         mechanism = "FSDP2 MixedPrecisionPolicy"
@@ -85,18 +78,15 @@ def attention(cfg: Config, target: Target) -> str:
     return choose_attention(cfg.model.attn_implementation, target.device, cfg.model.param_dtype, target.flash_attn)
 
 
-def enforce_eager(cfg: Config, target: Target) -> bool:
-    return cfg.rollout.enforce_eager if cfg.rollout.enforce_eager is not None else target.device != "cuda"
-
-
 def vllm_arguments(cfg: Config, target: Target, model_path: str = "<model directory>", dp_rank: int = 0) -> dict:
     """The keyword arguments of vllm.LLM on a rank of data-parallel group dp_rank (rollout.vllm_engine adds
     nothing to them). On GPUs the KV cache is sized by gpu_memory_utilization (a byte cap would override
     it); on CPU it is bounded in bytes, since vLLM would otherwise reserve most of the machine's memory."""
     cuda = target.device == "cuda"
+    eager = cfg.rollout.enforce_eager if cfg.rollout.enforce_eager is not None else not cuda
     arguments = dict(
         model=model_path, dtype=cfg.model.param_dtype, max_model_len=model_len(cfg), seed=dp_rank,
-        tensor_parallel_size=cfg.rollout.tp_size, enforce_eager=enforce_eager(cfg, target), enable_prefix_caching=True,
+        tensor_parallel_size=cfg.rollout.tp_size, enforce_eager=eager, enable_prefix_caching=True,
         max_num_batched_tokens=max(4096, model_len(cfg)), logprobs_mode="processed_logprobs",
         generation_config="vllm",  # never take sampling defaults from the model's generation_config.json
         enable_sleep_mode=cuda,  # a CUDA allocator feature

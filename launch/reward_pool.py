@@ -8,6 +8,7 @@ starts them without torch (forking the training process, with its threads, proce
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import multiprocessing.connection
@@ -51,11 +52,9 @@ def _shippable(functions: dict) -> dict:
     cannot be pickled, and must be named by path in reward.functions)."""
     shippable = {}
     for source, function in functions.items():
-        try:
+        with contextlib.suppress(pickle.PicklingError, AttributeError, TypeError):
             pickle.dumps(function)
             shippable[source] = function
-        except (pickle.PicklingError, AttributeError, TypeError):
-            pass
     return shippable
 
 
@@ -193,10 +192,8 @@ class RewardPool:
             for slot, worker in enumerate(self.workers):
                 if slot not in busy and waiting and not failed:
                     index = waiting.pop()
-                    try:
+                    with contextlib.suppress(OSError):  # the worker is gone: found below, as a death while scoring
                         worker.connection.send(calls[index])
-                    except (BrokenPipeError, OSError):
-                        pass  # the worker is gone: found below, as a death while scoring this call
                     busy[slot] = (index, time.monotonic() + limit)
             nearest = min(deadline for _, deadline in busy.values())
             handles = [self.workers[s].connection for s in busy] + [self.workers[s].process.sentinel for s in busy]
@@ -252,10 +249,8 @@ class RewardPool:
         """Ask every worker to stop; kill those that do not within 5 s."""
         for worker in self.workers:
             if worker is not None and worker.process.is_alive():
-                try:
+                with contextlib.suppress(OSError):
                     worker.connection.send(None)
-                except (BrokenPipeError, OSError):
-                    pass
         for slot, worker in enumerate(self.workers):
             if worker is not None:
                 worker.process.join(5.0)
