@@ -111,9 +111,17 @@ def main(argv: list[str] | None = None) -> int:
                 input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], generation_config=config
             )
 
-    (engine_seconds, completions), (generate_seconds, output) = interleaved(
-        [lambda: engine.generate(prompts, n=args.group, max_new_tokens=args.max_new_tokens, seed=0), plain_generate],
-        args.repeats)
+    def rollout(engine):
+        return lambda: engine.generate(prompts, n=args.group, max_new_tokens=args.max_new_tokens, seed=0)
+
+    def time_with_eos(label: str, key: str, engine) -> None:
+        seconds, completions = timed(rollout(engine), args.repeats)
+        tokens = sum(len(completion.completion_ids) for completion in completions)
+        print(f"{label:<19} {tokens / seconds:7.1f} tokens/s ({tokens} tokens, {seconds:.2f} s)")
+        results[key] = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
+
+    (engine_seconds, completions), (generate_seconds, output) = interleaved([rollout(engine), plain_generate],
+                                                                            args.repeats)
     assert output.shape[1] - batch["input_ids"].shape[1] == args.max_new_tokens
     assert sum(len(completion.completion_ids) for completion in completions) == new_tokens
     engine_rate, generate_rate = new_tokens / engine_seconds, new_tokens / generate_seconds
@@ -125,26 +133,14 @@ def main(argv: list[str] | None = None) -> int:
                "hf_engine": {"seconds": engine_seconds, "tokens": new_tokens, "tokens_per_s": engine_rate},
                "model_generate": {"seconds": generate_seconds, "tokens": new_tokens, "tokens_per_s": generate_rate}}
 
-    with_eos = HFEngine(model, tokenizer, num_threads=None)
-    seconds, completions = timed(
-        lambda: with_eos.generate(prompts, n=args.group, max_new_tokens=args.max_new_tokens, seed=0), args.repeats
-    )
-    tokens = sum(len(completion.completion_ids) for completion in completions)
-    print(f"HFEngine with eos   {tokens / seconds:7.1f} tokens/s ({tokens} tokens, {seconds:.2f} s)")
-    results["hf_engine_with_eos"] = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
-
+    time_with_eos("HFEngine with eos", "hf_engine_with_eos", HFEngine(model, tokenizer, num_threads=None))
     if args.vllm:
         from bench.gpu_common import vllm_engine as build_vllm_engine
 
         start = time.perf_counter()
         vllm_engine = build_vllm_engine(resolve_model_dir(None), "rollout.max_model_len=1024")
         print(f"vLLM init           {time.perf_counter() - start:.1f} s")
-        seconds, completions = timed(
-            lambda: vllm_engine.generate(prompts, n=args.group, max_new_tokens=args.max_new_tokens, seed=0), args.repeats
-        )
-        tokens = sum(len(completion.completion_ids) for completion in completions)
-        print(f"VLLMEngine with eos {tokens / seconds:7.1f} tokens/s ({tokens} tokens, {seconds:.2f} s)")
-        results["vllm_engine_with_eos"] = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
+        time_with_eos("VLLMEngine with eos", "vllm_engine_with_eos", vllm_engine)
     if args.out:
         write_results(args.out, results)
     return 0

@@ -115,7 +115,8 @@ def launch(args) -> None:
         ranks = json.loads(out.read_text())
     print(f"engine {args.engine}, 2 ranks (FSDP2, gloo), model {ranks[0][0]['model_mib']:.0f} MiB fp32, "
           f"median of {args.repeats}")
-    print(f"{'bucket MiB':>10} {'buckets':>7} {'largest MiB':>11} {'sync s':>7} {'engine s':>8} {'peak extra MiB (rank 0, 1)':>27}")
+    print(f"{'bucket MiB':>10} {'buckets':>7} {'largest MiB':>11} {'sync s':>7} {'engine s':>8} "
+          f"{'peak extra MiB (rank 0, 1)':>27}")
     for row, other in zip(ranks[0], ranks[1]):
         seconds = max(row["seconds"], other["seconds"])
         print(f"{row['bucket_mib']:>10} {row['buckets']:>7.0f} {row['max_bucket_mib']:>11.0f} {seconds:>7.2f} "

@@ -126,8 +126,10 @@ def test_no_two_completions_share_a_random_stream(engine, prompts):
     # the first's and the second call's i-th repeated the first call's (i+1)-th. Now each prompt of a call has
     # a stream of its own (rollout.engine.prompt_seed), so the 12 samples of 8 tokens all differ.
     same = [prompts[0], prompts[0]]
-    sample = lambda seed: engine.generate(same, n=3, max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0,  # noqa: E731
-                                          stop=None, seed=seed)
+
+    def sample(seed):
+        return engine.generate(same, n=3, max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0, stop=None, seed=seed)
+
     completions = sample(7) + sample(8)
     ids = [tuple(c.completion_ids) for c in completions]
     assert len(set(ids)) == len(ids), ids

@@ -69,7 +69,8 @@ def test_each_prompt_is_prefilled_once(tokenizer):
     batch_shapes = []
     # The embedding sees every forward: the prefill and each decode step (rollout.cpu_decode calls the decoder's
     # modules itself).
-    model.model.embed_tokens.register_forward_hook(lambda module, args, output: batch_shapes.append(tuple(output.shape)))
+    model.model.embed_tokens.register_forward_hook(
+        lambda module, args, output: batch_shapes.append(tuple(output.shape)))
     completions = sample(HFEngine(model, tokenizer, eos_token_ids=[]), n=3, max_new_tokens=2)
     # The 2 prompts (left-padded to 4) run once; their caches then serve 3 rows each.
     assert batch_shapes == [(2, 4, 64), (6, 1, 64)]
