@@ -4,7 +4,6 @@
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from collections.abc import Callable
@@ -144,13 +143,10 @@ def _policy(cfg: Config, dist: DistInfo, prepared: Prepared, target: Target) -> 
     return Policy(model, optimizer, scheduler), reference
 
 
-def build(cfg: Config, dist: DistInfo, *, resume: bool = False, stop_requested: Callable[[], bool] = lambda: False,
+def build(cfg: Config, dist: DistInfo, *, stop_requested: Callable[[], bool] = lambda: False,
           rows: list[dict] | None = None, eval_rows: list[dict] | None = None) -> Run:
-    """Everything a run needs, checked in order of cost. resume=True is trainer.resume=always (the --resume
-    flag); stop_requested: asked once per step on every rank (Ctrl-C, SIGTERM); rows / eval_rows: in memory
-    instead of data.train_files / data.eval_files (launch.api.train)."""
-    if resume:
-        cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume="always"))
+    """Everything a run needs, checked in order of cost. stop_requested: asked once per step on every rank (Ctrl-C,
+    SIGTERM); rows / eval_rows: in memory instead of data.train_files / data.eval_files (launch.api.train)."""
     prepared = prepare(cfg, dist, rows=rows, eval_rows=eval_rows)
     run_dir = Path(cfg.trainer.out_dir) / cfg.trainer.run_name
     torch.manual_seed(cfg.seed)

@@ -134,11 +134,9 @@ def init_distributed(cfg: Config | None = None) -> DistInfo:
             store = torch_dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                                         is_master=False, timeout=timeout)
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            torch_dist.init_process_group(backend, store=torch_dist.PrefixStore(f"nanogrpo/attempt_{attempt}", store),
-                                          rank=int(os.environ["RANK"]), world_size=world_size, timeout=timeout,
-                                          **options)
-        else:
-            torch_dist.init_process_group(backend, timeout=timeout, **options)
+            options |= dict(store=torch_dist.PrefixStore(f"nanogrpo/attempt_{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=world_size)
+        torch_dist.init_process_group(backend, timeout=timeout, **options)
     rank = torch_dist.get_rank()
     if separate:
         return _split(rank, world_size, cfg.rollout.num_ranks, local_rank, device, timeout)
@@ -203,20 +201,15 @@ M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameters (glibc's malloc.h)
 # The same two settings as environment variables, for a process that cannot call keep_freed_memory itself
 # (bench.vs_trl --allocator cached gives them to TRL's process).
 MALLOC_ENVIRONMENT = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
-_kept = False
 
 
 def keep_freed_memory() -> bool:
     """Turn off mmap for large blocks (M_MMAP_MAX=0: they come from the heap, which is reused) and heap
-    trimming (M_TRIM_THRESHOLD=-1). Process-wide and permanent; calling it again does nothing. Returns
+    trimming (M_TRIM_THRESHOLD=-1), process-wide and permanent (calling it again sets the same). Returns
     whether the setting is in effect (False where the C library has no mallopt, e.g. macOS or musl)."""
-    global _kept
-    if _kept:
-        return True
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
     except (OSError, AttributeError, TypeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    _kept = bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, -1))
-    return _kept
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, -1))

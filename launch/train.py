@@ -122,6 +122,8 @@ def run(cfg: Config, dist: DistInfo, *, resume: bool = False, rows: list[dict] |
     """Build, score the held-out rows before, train, score after. Returns {"run_dir", "before", "after"} (the
     held-out results: count, means with 95% intervals, per-prompt values), or "interrupted" (steps done) and
     "signal" (the stop signal's number). A failure after start-up raises RunFailed naming phase, step and rank."""
+    if resume:  # the --resume flag: trainer.resume=always
+        cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume="always"))
     dist = dataclasses.replace(dist, tp_size=cfg.rollout.tp_size)  # which ranks share one engine replica
     with interrupt_requests(announce=dist.is_main) as request:
         def stop() -> bool:
@@ -131,7 +133,7 @@ def run(cfg: Config, dist: DistInfo, *, resume: bool = False, rows: list[dict] |
 
         built = None
         try:
-            built = build(cfg, dist, resume=resume, stop_requested=stop, rows=rows, eval_rows=eval_rows)
+            built = build(cfg, dist, stop_requested=stop, rows=rows, eval_rows=eval_rows)
             return built.finish(built, built.loop(built.parts, dist), request.agreed)
         except (ConfigError, KeyboardInterrupt):
             raise
@@ -178,14 +180,10 @@ def main(argv=None) -> int:
     """Exit codes: 0 done; 1 failed (RunFailed names the phase, the step and the rank); 2 a config error, found
     before anything is written; 124 a stalled weight sync (grpo.trainer.deadline); 128 + the signal when stopped
     by Ctrl-C (130) or SIGTERM (143) after finishing the step and writing a checkpoint."""
-    args = parse_args(argv)
+    args, dist = parse_args(argv), None
     try:
         cfg = load_config(args.config, args.overrides + (["trainer.resume=always"] if args.resume else []))
         dist = init_distributed(cfg)
-    except ConfigError as error:
-        print(f"config error: {error}", file=sys.stderr)
-        return 2
-    try:
         if args.dry_run:
             _dry_run(cfg, dist, args)
             return 0
@@ -215,7 +213,8 @@ def main(argv=None) -> int:
         print(f"RunFailed: {error} (traceback: {path})", file=sys.stderr, flush=True)
         return 1
     finally:
-        shutdown(dist)
+        if dist is not None:
+            shutdown(dist)
 
 
 if __name__ == "__main__":
