@@ -1,10 +1,9 @@
 """Training from Python: a recipe (or a dict, or the defaults), overrides, reward functions defined in the caller's
-own code, and rows given in memory, through the same start-up checks and loop as `python -m launch.train`.
+own code, and rows given in memory, through the same start-up checks and loop as `python -m launch.train` (under
+torchrun every rank runs the same script).
 
     from launch.api import train
     result = train("launch/configs/demo.yaml", overrides=["trainer.steps=2"], rewards=my_reward, train_rows=rows)
-
-Under torchrun every rank runs the same script; without it the run is one process.
 """
 from __future__ import annotations
 
@@ -24,9 +23,8 @@ RewardFn = Callable[..., "float | dict"]
 def train(config: str | os.PathLike | Mapping | None = None, *, overrides: Sequence[str] = (),
           rewards: RewardFn | Mapping[str, RewardFn] | None = None, train_rows: Sequence[dict] | None = None,
           eval_rows: Sequence[dict] | None = None) -> dict:
-    """Run SFT or RL (the config's stage) to the end and return {"run_dir", "before", "after"}: the run directory
-    and the held-out results before and after training (count, means with 95% intervals, per-prompt values;
-    empty without held-out rows).
+    """Run SFT or RL (the config's stage) to the end; returns {"run_dir", "before", "after"}: the held-out results
+    before and after training (count, means with 95% intervals, per-prompt values; empty without held-out rows).
 
     config:     a recipe path (launch/configs/*.yaml), a dict of its sections, or None for the defaults.
     overrides:  `key.sub=value` strings, as on the command line.
@@ -40,8 +38,7 @@ def train(config: str | os.PathLike | Mapping | None = None, *, overrides: Seque
     Raises grpo.config.ConfigError for bad input (naming the key, file or row) before anything is written, and
     launch.train.RunFailed (naming the phase, the step and the rank) for a failure after start-up.
     """
-    cfg = load_config(config if isinstance(config, Mapping) else (None if config is None else str(config)),
-                      list(overrides))
+    cfg = load_config(dict(config) if isinstance(config, Mapping) else config, list(overrides))
     dist = init_distributed(cfg)
     try:
         with registry.scoped_registry():  # the registry is as before once the run ends

@@ -18,11 +18,9 @@ from models.checkpoint import complete_checkpoints, load_checkpoint, save_checkp
 
 
 class Checkpointer:
-    """Checkpoints of one run under run_dir/checkpoints/step_<n>/, every rank calling in step.
-
-    sampler: what holds this rank's data position (`position`: grpo.groups.PromptSampler, or
-    launch.separate.RemoteRollout, whose replica's position it is). stop_requested: asked once per step on every
-    rank (launch.train reduces Ctrl-C over ranks), so every rank stops after the same step.
+    """Checkpoints of one run under run_dir/checkpoints/step_<n>/, every rank calling in step. sampler: what holds
+    this rank's data position (`position`: a grpo.groups.PromptSampler or launch.separate.RemoteRollout).
+    stop_requested: asked once per step on every rank (reduced over ranks), so every rank stops after the same step.
     """
 
     def __init__(self, cfg: Config, run_dir: Path, policy: Policy, tokenizer, sampler, dist, *,

@@ -29,11 +29,10 @@ def _identity(tensor):
 
 @dataclass(frozen=True)
 class DistInfo:
-    """rank / world_size count the ranks of this rank's role: all of them when colocated; the trainers, or the
-    engine ranks, under rollout.placement=separate (launch/separate.py), where `role` says which and `links`
-    holds the process groups between the roles. The ranks of one engine replica (tp_size consecutive ranks,
-    vLLM tensor parallelism) form data-parallel group dp_rank of dp_size: they draw the same prompts and seeds,
-    and rank tp_rank of the group trains on its share."""
+    """rank / world_size count the ranks of this rank's role: all when colocated; the trainers, or the engine ranks,
+    under rollout.placement=separate (`role` says which; `links` holds the groups between them). The tp_size
+    consecutive ranks of one vLLM replica form data-parallel group dp_rank of dp_size: they draw the same prompts
+    and seeds, and rank tp_rank of the group trains on its share."""
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0

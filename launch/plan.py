@@ -50,8 +50,7 @@ def tp_groups(world_size: int, tensor_parallel_size: int) -> list[list[int]]:
 
 
 def model_len(cfg: Config) -> int:
-    """vLLM's max_model_len: rollout.max_model_len, else the longest prompt allowed plus the longest completion
-    the run asks for (training or held-out)."""
+    """vLLM's max_model_len: rollout.max_model_len, else the longest prompt allowed plus the longest completion."""
     if cfg.rollout.max_model_len is not None:
         return cfg.rollout.max_model_len
     return cfg.data.max_prompt_tokens + max(cfg.rollout.max_new_tokens, cfg.eval_max_new_tokens)
@@ -114,10 +113,9 @@ def engine_cycle(cfg: Config, target: Target) -> list[str]:
 
 
 def own_engine_copy(cfg: Config, target: Target) -> bool:
-    """Whether the transformers engine needs a model of its own (synced after every update) rather than the
-    policy module: under FSDP2 (a sharded forward is a collective, and ranks stop generating at different
-    steps), or when the engine computes in another dtype than the policy's master weights (bf16 sampling,
-    as vLLM does, beside fp32 master weights)."""
+    """Whether the transformers engine needs a model of its own (synced after every update) rather than the policy
+    module: under FSDP2 (a sharded forward is a collective, and ranks stop generating at different steps), or to
+    sample in the compute dtype beside master weights in another (bf16 beside fp32, as vLLM does)."""
     return target.sharded or cfg.model.param_dtype != cfg.model.dtype
 
 

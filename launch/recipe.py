@@ -1,8 +1,6 @@
 """Reading a recipe: a YAML file (or a dict of its sections, or nothing for the defaults) plus `key.sub=value`
-overrides, into the typed Config of grpo/config.py.
-
-Unknown keys (with the closest valid key suggested) and wrong types fail here; each section then checks its own
-choices and ranges as it is built. Every error names the key and, for a file, the file.
+overrides, into the typed Config of grpo/config.py. Unknown keys (with the closest valid key suggested) and wrong
+types fail here, each section then checks its choices and ranges; every error names the key (and the file).
 """
 from __future__ import annotations
 

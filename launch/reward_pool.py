@@ -270,8 +270,8 @@ def register_functions(functions: dict[str, str], corpus_index: str | None) -> N
         os.environ[INDEX_ENV] = str(corpus_index)
 
 
-def model_generate_fn(name_or_path: str | None, *, max_new_tokens: int = 48, device: str = "cpu",
-                      dtype: str = "float32") -> Callable[[str], str]:
+def model_generate_fn(name_or_path: str | None, *, max_new_tokens: int = 48, device: str = "cpu"
+                      ) -> Callable[[str], str]:
     """Greedy continuation of a plain-text prompt (no chat template: the extraction prompt is few-shot text)
     by a local causal LM; decoding stops at the next few-shot example ("\\nSentence:") or max_new_tokens."""
     import torch
@@ -280,7 +280,7 @@ def model_generate_fn(name_or_path: str | None, *, max_new_tokens: int = 48, dev
     from rollout.hf_engine import HFEngine
 
     tokenizer = load_tokenizer(name_or_path)
-    model = load_model(name_or_path, dtype=getattr(torch, dtype), device=device).eval().requires_grad_(False)
+    model = load_model(name_or_path, dtype=torch.float32, device=device).eval().requires_grad_(False)
     # one torch thread: token-by-token decoding of one sequence gains nothing from more (rollout.engine.torch_threads)
     engine = HFEngine(model, tokenizer, shared=False, num_threads=1)
 
@@ -313,10 +313,9 @@ def factqa_reward_for(reward: RewardConfig, *, device: str = "cpu") -> Callable[
 
 
 def reward_functions(reward: RewardConfig, rows: list[dict], *, device: str = "cpu"):
-    """(compute_score, compute_scores or None, the worker pool or None) of a run, for grpo.scoring.Scorer:
-    reward.functions and the corpus index registered; with reward.num_workers every call goes through workers
-    (each builds the configured reward itself, and must resolve each data source of `rows` to the same function
-    as this process); else the configured factqa_corpus reward is dispatched here, ahead of the registry."""
+    """(compute_score, compute_scores or None, the worker pool or None) of a run, for grpo.scoring.Scorer: with
+    reward.num_workers every call goes through the workers (each builds the configured reward itself); else the
+    configured factqa_corpus reward is dispatched here, ahead of the registry."""
     register_functions(reward.functions, reward.corpus_index)
     if reward.num_workers:
         pool = RewardPool(reward, [row["data_source"] for row in rows])

@@ -28,10 +28,9 @@ def jsonable(value):
 
 
 class RunLog:
-    """A run's log from `start_step` on. The settings go to config.yaml at step 0 and beside it to
-    config_step_<n>.yaml at each resume (a resume compares with the latest: launch.preflight); lines of
-    metrics.jsonl and samples.jsonl after the start are dropped (a resume redoes those steps, a fresh run replaces
-    an earlier run's). trainer.wandb_project also logs to Weights & Biases (WANDB_MODE=offline: under run_dir)."""
+    """A run's log from `start_step` on: its settings in config.yaml at step 0, config_step_<n>.yaml beside it at
+    each resume (what a resume compares with); lines of metrics.jsonl and samples.jsonl after the start dropped (a
+    resume redoes them, a fresh run replaces an earlier run's); trainer.wandb_project (WANDB_MODE=offline works)."""
 
     def __init__(self, cfg: Config, run_dir: Path, *, start_step: int = 0, enabled: bool = True):
         self.enabled, self.run_dir = enabled, Path(run_dir)
