@@ -357,21 +357,19 @@ class Config(Section):
 # What a resume may change without naming it in trainer.resume_changes: how the run is executed, evaluated, logged
 # and checkpointed, and its length; every other setting defines what the checkpoint's run trains.
 RESUME_FREE = ("trainer.steps", "trainer.resume", "trainer.resume_changes", "trainer.resume_fallback",
-               "trainer.overwrite", "trainer.checkpoint", "trainer.save_every",
-               "trainer.keep_last", "trainer.collective_timeout_s", "trainer.nccl_blocking_wait", "trainer.out_dir",
-               "trainer.run_name", "trainer.wandb_project", "trainer.max_consecutive_skips", "trainer.warn_after_steps",
+               "trainer.overwrite", "trainer.checkpoint", "trainer.save_every", "trainer.keep_last",
+               "trainer.collective_timeout_s", "trainer.nccl_blocking_wait", "trainer.out_dir", "trainer.run_name",
+               "trainer.wandb_project", "trainer.max_consecutive_skips", "trainer.warn_after_steps",
                "trainer.warn_truncation", "trainer.warn_flat_groups", "trainer.eval_every", "trainer.eval_before",
                "trainer.eval_max_new_tokens", "trainer.eval_batch_size", "trainer.keep_freed_memory",
                "rollout.num_threads", "rollout.sync_bucket_mb", "rollout.sync_timeout_s", "rollout.vllm_kv_cache_mb",
-               "rollout.vllm_gpu_memory_utilization", "rollout.enforce_eager", "reward.num_workers",
-               "reward.timeout_s", "model.gradient_checkpointing", "model.logprob_chunk_size", "data.eval_files",
-               "data.eval_size")
+               "rollout.vllm_gpu_memory_utilization", "rollout.enforce_eager", "reward.num_workers", "reward.timeout_s",
+               "model.gradient_checkpointing", "model.logprob_chunk_size", "data.eval_files", "data.eval_size")
 
 
 def resume_differences(cfg: Config, recorded: dict) -> list[str]:
-    """"key: recorded -> now" for every setting that defines the run (not in RESUME_FREE or
-    trainer.resume_changes) and differs from `recorded` (a config.yaml the run wrote); ConfigError for a name
-    in trainer.resume_changes that is no setting."""
+    """"key: recorded -> now" for every setting that defines the run (not in RESUME_FREE or trainer.resume_changes)
+    and differs from `recorded` (a config.yaml the run wrote); ConfigError for a resume_changes name no setting has."""
     def leaves(section, prefix=""):
         for spec in fields(section):
             value = getattr(section, spec.name)
@@ -455,8 +453,7 @@ def check_algorithm(algo: AlgorithmConfig) -> None:
         raise ConfigError(f"algorithm.policy_loss=cispo weighs each token by its clipped ratio: it takes no "
                           f"algorithm.dual_clip ({algo.dual_clip}) and ratio_level token (got {algo.ratio_level})")
     if algo.ratio_level == "sequence" and algo.agg != GSPO_AGGREGATION:
-        # GSPO's objective is a mean over sequences of the sequence-level surrogate; a token mean weights each
-        # sequence by its length, which is another objective (verl forces the same aggregation for GSPO).
+        # A token mean would weight each sequence by its length: another objective (verl forces this one for GSPO).
         raise ConfigError(f"algorithm.ratio_level=sequence (GSPO) with algorithm.agg={algo.agg}: GSPO's objective "
                           f"is a mean over sequences; set algorithm.agg={GSPO_AGGREGATION}")
     if algo.kl_in_reward and algo.kl_coef <= 0:
@@ -469,7 +466,6 @@ def _check_rl(cfg: Config, world_size: int) -> None:
     algo, trainer, rollout = cfg.algorithm, cfg.trainer, cfg.rollout
     mini = algo.ppo_mini_batch_size
     if mini is not None and (mini % world_size or trainer.prompts_per_step % (mini // world_size)):
-        # verl's meaning: prompts per optimizer step over ALL ranks, whereas trainer.prompts_per_step is per rank.
         raise ConfigError(f"algorithm.ppo_mini_batch_size={mini} (prompts per optimizer step over all "
                           f"{world_size} ranks, as in verl) must be a multiple of the world size {world_size} "
                           f"whose share per rank divides trainer.prompts_per_step={trainer.prompts_per_step} "

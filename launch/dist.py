@@ -137,19 +137,13 @@ def init_distributed(cfg: Config | None = None) -> DistInfo:
                             rank=int(os.environ["RANK"]), world_size=world_size)
         torch_dist.init_process_group(backend, timeout=timeout, **options)
     rank = torch_dist.get_rank()
-    if separate:
-        return _split(rank, world_size, cfg.rollout.num_ranks, local_rank, device, timeout)
-    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device,
-                    mesh=init_device_mesh(device.type, (world_size,)), global_rank=rank,
-                    all_reduce_sum=all_reduce(torch_dist.ReduceOp.SUM),
-                    all_reduce_max=all_reduce(torch_dist.ReduceOp.MAX))
-
-
-def _split(rank: int, world_size: int, rollout_ranks: int, local_rank: int, device: torch.device,
-           timeout: datetime.timedelta) -> DistInfo:
-    """This rank's DistInfo under rollout.placement=separate: its role's ranks, collectives and (trainers) mesh;
-    models.fsdp's collectives span the role's group. Every group gets trainer.collective_timeout_s."""
-    trainers = tuple(range(world_size - rollout_ranks))
+    if not separate:
+        return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device,
+                        mesh=init_device_mesh(device.type, (world_size,)), global_rank=rank,
+                        all_reduce_sum=all_reduce(torch_dist.ReduceOp.SUM),
+                        all_reduce_max=all_reduce(torch_dist.ReduceOp.MAX))
+    # Each role gets its ranks, collectives and (trainers) mesh; models.fsdp's collectives span the role's group.
+    trainers = tuple(range(world_size - cfg.rollout.num_ranks))
     engines = tuple(range(len(trainers), world_size))
     trainer_group = torch_dist.new_group(list(trainers), timeout=timeout)
     rollout_group = torch_dist.new_group(list(engines), backend="gloo", timeout=timeout)

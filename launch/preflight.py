@@ -127,23 +127,10 @@ def _tokenize_prompts(cfg: Config, tokenizer, rows: list[tuple[str, dict]], note
     return kept, prompt_ids
 
 
-def _sft_examples(cfg: Config, tokenizer, rows: list[tuple[str, dict]], prompt_ids: list[list[int]]) -> list[tuple]:
-    """(prompt ids, target ids + eos) per row; an example longer than trainer.sft_max_len fails by row."""
-    examples = []
-    for (where, row), ids in zip(rows, prompt_ids):
-        target = tokenizer.encode(row["extra_info"]["target"], add_special_tokens=False) + [tokenizer.eos_token_id]
-        if len(ids) + len(target) > cfg.trainer.sft_max_len:
-            raise ConfigError(f"{where}: prompt + target is {len(ids) + len(target)} tokens > "
-                              f"trainer.sft_max_len={cfg.trainer.sft_max_len}")
-        examples.append((ids, target))
-    return examples
-
-
 def _check_run_directory(cfg: Config, run_dir: Path, notes: list[str]) -> Path | None:
-    """The checkpoint to resume from (trainer.resume), or None for a fresh start. A fresh run never mixes with an
-    earlier run's checkpoints (refused unless trainer.overwrite); a resume continues from an intact checkpoint
-    (every file's size and CRC-32) with optimizer state, of the run whose settings it recorded (differences
-    only as listed in trainer.resume_changes). A damaged checkpoint skipped goes to `notes`."""
+    """The checkpoint to resume from (trainer.resume), or None for a fresh start, which never mixes with an earlier
+    run's checkpoints (unless trainer.overwrite). A resume continues from an intact checkpoint (every file's size
+    and CRC-32) with optimizer state, of a run whose recorded settings differ only in trainer.resume_changes."""
     complete = complete_checkpoints(run_dir / "checkpoints")
     if cfg.trainer.resume == "always" and not complete:
         raise ConfigError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'} (trainer.resume=always)")
@@ -239,6 +226,12 @@ def prepare(cfg: Config, dist, *, rows: list[dict] | None = None, eval_rows: lis
         raise ConfigError(f"trainer.max_tokens_per_micro_batch={budget} is less than the longest sequence a step "
                           f"can hold: {longest} tokens (the longest prompt + rollout.max_new_tokens)")
     held_out, eval_prompt_ids = _tokenize_prompts(cfg, tokenizer, held_out, notes)
-    examples = _sft_examples(cfg, tokenizer, train, prompt_ids) if cfg.stage == "sft" else []
+    examples = []  # SFT: (prompt ids, target ids + eos) per row
+    for (where, row), ids in zip(train if cfg.stage == "sft" else [], prompt_ids):
+        target = tokenizer.encode(row["extra_info"]["target"], add_special_tokens=False) + [tokenizer.eos_token_id]
+        if len(ids) + len(target) > cfg.trainer.sft_max_len:
+            raise ConfigError(f"{where}: prompt + target is {len(ids) + len(target)} tokens > "
+                              f"trainer.sft_max_len={cfg.trainer.sft_max_len}")
+        examples.append((ids, target))
     return Prepared([row for _, row in train], [row for _, row in held_out], tokenizer, prompt_ids, eval_prompt_ids,
                     examples, source, key, latest, notes, [where for where, _ in train + held_out])

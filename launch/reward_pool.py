@@ -105,8 +105,7 @@ class _Worker:
 def _check_main_guard(num_workers: int) -> None:
     """The fork server imports the main script to start workers (as the parent's __mp_main__): a script that
     trains at import, outside `if __name__ == "__main__":`, would train again there. Refused with that advice."""
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
     if path and os.path.isfile(path) and "__main__" not in open(path, encoding="utf-8", errors="replace").read():
         from grpo.config import ConfigError  # grpo.config imports torch, which the workers do not need
         raise ConfigError(f"reward.num_workers={num_workers} starts worker processes that import {path} again: put "

@@ -59,14 +59,13 @@ class RunLog:
             from torch.utils.tensorboard import SummaryWriter
             self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"))
         except Exception:
-            self.tensorboard = None
+            pass
 
     def metrics(self, step: int, metrics: dict, postfix_keys: tuple[str, ...] = ("reward_mean",)) -> None:
         if not self.enabled:
             return
-        record = {"step": step, **jsonable(metrics)}
         with open(self.run_dir / "metrics.jsonl", "a") as file:
-            file.write(json.dumps(record) + "\n")
+            file.write(json.dumps({"step": step, **jsonable(metrics)}) + "\n")
         numbers = {key: value for key, value in metrics.items() if isinstance(value, (int, float))}
         if self.tensorboard is not None:
             for key, value in numbers.items():

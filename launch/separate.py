@@ -1,8 +1,7 @@
 """Rollout on ranks of its own (rollout.placement=separate): the last rollout.num_ranks ranks of the torchrun world
-generate and score, the others train. Batches travel from the engines to the trainers and weights back over
-process groups of their own (launch.dist.Links); with algorithm.max_staleness=1 the engines generate the batch of
-step n+1 while the trainers update on the batch of step n, and truncated IS corrects for the policy one step
-older that generated it.
+generate and score, the others train; batches and weights travel over process groups of their own
+(launch.dist.Links). With algorithm.max_staleness=1 the engines generate step n+1's batch during step n's update,
+and truncated IS corrects for the policy one step older that generated it.
 
 Both sides run the same sequence (j: a step; v_j: the weights after j optimizer steps; S: max_staleness):
 
@@ -19,10 +18,9 @@ Both sides run the same sequence (j: a step; v_j: the weights after j optimizer 
     trainer  msg_j -> prepare, update -> broadcast v_{j+1} -> (held-out after j + 1: msg_{j+1}'s) -> ...
              at the end (or at a stop request): drain a message still on its way, broadcast the stop
 
-Replica r (one engine rank) serves trainer ranks [r * T / R, (r + 1) * T / R) and generates P prompts for each
-of them in one LocalRollout.collect_shares call. A checkpoint records, per trainer, the data position after the
-last batch it trained, so a batch generated but not trained when a run stops is generated again after resuming:
-never trained twice, never lost.
+Replica r (one engine rank) serves trainer ranks [r * T / R, (r + 1) * T / R), P prompts each in one
+LocalRollout.collect_shares call. A checkpoint records each trainer's data position after the last batch it
+trained: a batch generated but not trained when a run stops is generated again after resuming, never lost.
 """
 from __future__ import annotations
 
