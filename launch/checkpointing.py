@@ -45,17 +45,15 @@ class Checkpointer:
         self.step = step + 1
 
     def save(self, step: int) -> None:
-        """Write checkpoints/step_<step> (nothing with trainer.checkpoint=none), then delete the older ones
-        trainer.keep_last no longer keeps (not those of later steps an earlier run left); RuntimeError, before
-        anything is written, when a weight is not finite."""
+        """Write checkpoints/step_<step> (nothing with trainer.checkpoint=none; RuntimeError when a weight is not
+        finite), then delete the older ones trainer.keep_last no longer keeps (not later ones an earlier run left)."""
         if self.holds == "none":
             return
         dist, model = self.dist, self.policy.model
         with phase("checkpoint", step):
             local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
-            bad = dist.all_reduce_max(torch.tensor(float(not all(bool(torch.isfinite(p).all()) for p in local)),
-                                                   device=dist.device))
-            if bool(bad > 0):
+            finite = all(bool(torch.isfinite(p).all()) for p in local)
+            if dist.all_reduce_max(torch.tensor(float(not finite), device=dist.device)) > 0:
                 raise RuntimeError(f"refusing to write checkpoint step_{step}: the model has non-finite weights")
             # Ranks consume prompts at different rates under dynamic sampling: keep every rank's position.
             one_hot = torch.zeros(dist.world_size, dtype=torch.float64, device=dist.device)

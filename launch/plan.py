@@ -132,9 +132,8 @@ def check_plan(cfg: Config, target: Target) -> None:
 
 def logprob_pass(cfg: Config, target: Target) -> str:
     """How the trainer's logprob passes run the model (models.logprobs.completion_logprobs): packed; or each
-    distinct prompt once with the completions on its KV cache (two forwards), except where that cannot run:
-    gradient checkpointing drops the cache, and FSDP over several ranks needs one forward on every rank (whether
-    a micro-batch repeats a prompt differs between ranks). There the packed pass shares the prompts."""
+    distinct prompt once with the completions on its KV cache, except where gradient checkpointing drops the cache
+    or FSDP over several ranks needs one forward on every rank: there the packed pass shares the prompts."""
     packs = attention(cfg, target) != "eager"
     if cfg.model.packed_logprobs:
         return "packed"
@@ -148,25 +147,22 @@ def logprob_pass(cfg: Config, target: Target) -> str:
 
 def placement(cfg: Config, target: Target) -> dict:
     """Which ranks train and which generate (launch/separate.py), and how stale a batch may be."""
-    world = target.world_size
-    if cfg.rollout.placement != "separate":
-        return {"mode": "colocated", "trainer_ranks": list(range(world)), "rollout_ranks": list(range(world)),
-                "max_staleness": 0}
-    trainers = world - cfg.rollout.num_ranks
-    return {"mode": "separate", "trainer_ranks": list(range(trainers)), "rollout_ranks": list(range(trainers, world)),
-            "max_staleness": cfg.algorithm.max_staleness}
+    world, separate = target.world_size, cfg.rollout.placement == "separate"
+    trainers = world - cfg.rollout.num_ranks if separate else world
+    return {"mode": cfg.rollout.placement, "trainer_ranks": list(range(trainers)),
+            "rollout_ranks": list(range(trainers if separate else 0, world)),
+            "max_staleness": cfg.algorithm.max_staleness if separate else 0}
 
 
 def run_plan(cfg: Config, target: Target, model_path: str = "<model directory>") -> dict:
     """The whole plan as one JSON-able object (what --dry-run prints); checked first (check_plan)."""
     check_plan(cfg, target)
-    tp = cfg.rollout.tp_size
     plan = {"target": {"device": target.device, "world_size": target.world_size, "flash_attn": target.flash_attn,
                        "torchrun": target.sharded},
             "precision": precision(cfg, target), "attention": attention(cfg, target),
-            "logprob_pass": logprob_pass(cfg, target),
-            "engine": cfg.rollout.engine, "engine_cycle": engine_cycle(cfg, target),
-            "tp_groups": tp_groups(target.world_size, tp), "placement": placement(cfg, target), "vllm": None}
+            "logprob_pass": logprob_pass(cfg, target), "engine": cfg.rollout.engine,
+            "engine_cycle": engine_cycle(cfg, target), "tp_groups": tp_groups(target.world_size, cfg.rollout.tp_size),
+            "placement": placement(cfg, target), "vllm": None}
     if cfg.rollout.engine == "vllm":
         plan["vllm"] = vllm_arguments(cfg, target, model_path)
     return plan

@@ -285,9 +285,8 @@ def model_generate_fn(name_or_path: str | None, *, max_new_tokens: int = 48, dev
 
     def generate(prompt: str) -> str:
         ids = tokenizer(prompt)["input_ids"]
-        completion = engine.generate([ids], n=1, max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0,
-                                     top_k=0, stop=["\nSentence:"], seed=0)[0]
-        return completion.text
+        return engine.generate([ids], n=1, max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
+                               stop=["\nSentence:"], seed=0)[0].text
 
     return generate
 

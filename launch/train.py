@@ -55,9 +55,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 @dataclass
 class StopRequest:
-    """The stop signal this process received first (SIGINT or SIGTERM; 0 before any), and the one every rank
-    agreed to stop for (the largest over ranks, so SIGTERM wins over SIGINT)."""
+    """The stop signal this process received first (SIGINT or SIGTERM; 0 before any) and when, and the one every
+    rank agreed to stop for (the largest over ranks, so SIGTERM wins over SIGINT)."""
     received: int = 0
+    since: float = 0.0
     agreed: int = 0
 
 
@@ -68,17 +69,15 @@ def interrupt_requests(announce: bool = True):
     A second SIGINT within 2 s is the same request (under torchrun a rank gets the terminal's and torchrun's copy);
     a later one aborts at once. A repeated SIGTERM never aborts: schedulers and torchrun resend it before SIGKILL."""
     request = StopRequest()
-    first: list[float] = []
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield request
         return
 
     def handler(signum, frame):
-        if signum == signal.SIGINT and first and time.monotonic() - first[0] > 2.0:
+        if signum == signal.SIGINT and request.received and time.monotonic() - request.since > 2.0:
             raise KeyboardInterrupt
-        if not first:
-            first.append(time.monotonic())
-            request.received = signum
+        if not request.received:
+            request.received, request.since = signum, time.monotonic()
             if announce:
                 print(f"WARNING: {signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
                       "(Ctrl-C again to abort)", file=sys.stderr, flush=True)
