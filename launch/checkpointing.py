@@ -1,8 +1,7 @@
-"""The one object that owns a run's progress: where it starts (a resumed checkpoint or step 0), which steps are done,
-when a checkpoint is written (periodic, final, on a stop request) and what goes into it: the weights (HF format, or
-the LoRA adapter), the optimizer, the schedule and every rank's data position, written atomically by
-models/checkpoint.py. Non-finite weights are never written; trainer.keep_last deletes older checkpoints only once a
-newer one is complete. The loops see it through grpo.trainer.Checkpoints.
+"""The one object that owns a run's progress (the loops see it as grpo.trainer.Checkpoints): where it starts (a
+resumed checkpoint or step 0), which steps are done, when a checkpoint is written (periodic, final, on a stop
+request) and what goes into it: the weights (HF format, or the LoRA adapter), the optimizer, the schedule and every
+rank's data position, written atomically by models/checkpoint.py.
 """
 from __future__ import annotations
 
@@ -27,9 +26,7 @@ class Checkpointer:
                  stop_requested: Callable[[], bool]):
         self.directory = Path(run_dir) / "checkpoints"
         self.policy, self.tokenizer, self.sampler, self.dist = policy, tokenizer, sampler, dist
-        self.lora, self.steps, self.stop_requested = cfg.model.lora, cfg.trainer.steps, stop_requested
-        self.save_every, self.keep_last = cfg.trainer.save_every, cfg.trainer.keep_last
-        self.holds = cfg.trainer.checkpoint  # full, weights or none
+        self.trainer, self.lora, self.stop_requested = cfg.trainer, cfg.model.lora, stop_requested
         self.start_step = self.completed_steps = 0
         self.positions: list[int] | None = None
         self.step = 1  # the step the run is at: the one in progress, or the one being checkpointed (for errors)
@@ -47,7 +44,7 @@ class Checkpointer:
     def save(self, step: int) -> None:
         """Write checkpoints/step_<step> (nothing with trainer.checkpoint=none; RuntimeError when a weight is not
         finite), then delete the older ones trainer.keep_last no longer keeps (not later ones an earlier run left)."""
-        if self.holds == "none":
+        if self.trainer.checkpoint == "none":
             return
         dist, model = self.dist, self.policy.model
         with phase("checkpoint", step):
@@ -60,12 +57,12 @@ class Checkpointer:
             one_hot[dist.rank] = self.sampler.position
             positions = [int(p) for p in dist.all_reduce_sum(one_hot).tolist()]
             extra = {"scheduler": self.policy.scheduler.state_dict(), "sampler_position": positions}
-            optimizer = self.policy.optimizer if self.holds == "full" else None
+            optimizer = self.policy.optimizer if self.trainer.checkpoint == "full" else None
             save_checkpoint(self.directory / f"step_{step}", model, self.tokenizer, optimizer, step, extra=extra,
                             merged_export=self.lora.merged_export)
-            if self.keep_last and dist.rank == 0:
+            if self.trainer.keep_last and dist.rank == 0:
                 older = [path for done, path in complete_checkpoints(self.directory) if done < step]
-                for path in older[:max(0, len(older) - (self.keep_last - 1))]:
+                for path in older[:max(0, len(older) - (self.trainer.keep_last - 1))]:
                     shutil.rmtree(path)
 
     def end_step(self, done: int) -> bool:
@@ -76,7 +73,7 @@ class Checkpointer:
             stop = self.stop_requested()
         if stop:
             return True
-        if self.save_every and done % self.save_every == 0 and done < self.steps:
+        if self.trainer.save_every and done % self.trainer.save_every == 0 and done < self.trainer.steps:
             self.save(done)
         self.step = done + 1
         return False

@@ -74,9 +74,8 @@ class DistInfo:
 
 @dataclass(frozen=True)
 class Links:
-    """rollout.placement=separate: ranks [0, T) train, ranks [T, W) run the engines (launch/separate.py). `link`
-    (gloo, all ranks: batches and held-out results, point to point) and `weights` (trainer 0 and the engine
-    ranks, NCCL on GPUs: the weight broadcast); every rank creates every group, in the same order."""
+    """rollout.placement=separate: ranks [0, T) train, [T, W) run the engines. `link` (gloo, all ranks: batches and
+    held-out results) and `weights` (trainer 0 and the engine ranks: the weight broadcast)."""
     trainer_ranks: tuple[int, ...]
     rollout_ranks: tuple[int, ...]
     link: object
@@ -101,10 +100,10 @@ def all_reduce(op, group=None) -> Callable:
 
 
 def init_distributed(cfg: Config | None = None) -> DistInfo:
-    """One process, or the torchrun world of any size: under torchrun even one rank gets its process group and
-    FSDP2 (`torchrun --nproc_per_node=1` runs the multi-GPU code path on one GPU). Call once, before building
-    vLLM; cfg None: the defaults. A collective waits trainer.collective_timeout_s for the other ranks, then raises
-    (a dead rank is an error, not a hang); rollout.placement=separate cuts the world into trainer and engine ranks."""
+    """One process, or the torchrun world of any size (even one rank gets a process group and FSDP2, so
+    `torchrun --nproc_per_node=1` runs the multi-GPU path). Call once, before building vLLM. A collective raises
+    after trainer.collective_timeout_s (a dead rank is an error, not a hang); rollout.placement=separate cuts the
+    world into trainer and engine ranks."""
     cfg = cfg or Config()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -142,7 +141,7 @@ def init_distributed(cfg: Config | None = None) -> DistInfo:
                         mesh=init_device_mesh(device.type, (world_size,)), global_rank=rank,
                         all_reduce_sum=all_reduce(torch_dist.ReduceOp.SUM),
                         all_reduce_max=all_reduce(torch_dist.ReduceOp.MAX))
-    # Each role gets its ranks, collectives and (trainers) mesh; models.fsdp's collectives span the role's group.
+    # Every rank creates every group, in the same order; each role gets its ranks, collectives and (trainers) mesh.
     trainers = tuple(range(world_size - cfg.rollout.num_ranks))
     engines = tuple(range(len(trainers), world_size))
     trainer_group = torch_dist.new_group(list(trainers), timeout=timeout)
@@ -191,8 +190,7 @@ def exit_rank(code: int) -> NoReturn:
 # mapped, as an LD_PRELOADed jemalloc or tcmalloc gives; bench/README.md, "Freed memory kept in the process".
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameters (glibc's malloc.h)
-# The same two settings as environment variables, for a process that cannot call keep_freed_memory itself
-# (bench.vs_trl --allocator cached gives them to TRL's process).
+# The same settings as environment variables, for a process that cannot call keep_freed_memory (bench.vs_trl's TRL).
 MALLOC_ENVIRONMENT = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
 
 

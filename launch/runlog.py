@@ -83,8 +83,7 @@ class RunLog:
                 file.write(json.dumps({"step": step, **sample}) + "\n")
 
     def warn(self, message: str) -> None:
-        if self.enabled:
-            tqdm.write(f"WARNING: {message}", file=sys.stderr)
+        self.info(f"WARNING: {message}")
 
     def info(self, message: str) -> None:
         if self.enabled:

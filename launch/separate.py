@@ -153,8 +153,7 @@ class RemoteRollout:
         self.source = links.rollout_ranks[dist.global_rank // (len(links.trainer_ranks) // cfg.rollout.num_ranks)]
         self.messages: dict[int, Message] = {}
         self.received = -1  # the last step whose message arrived
-        self.position = 0
-        self.version = 0
+        self.position = self.version = 0
         self.sender = dist.global_rank == links.trainer_ranks[0]  # trainer 0 broadcasts the weights
 
     def _message(self, step: int) -> Message:
