@@ -33,8 +33,7 @@ def train(config: str | os.PathLike | Mapping | None = None, *, overrides: Seque
                 module-level function reaches the workers, which import the caller's script: call train under
                 `if __name__ == "__main__":` there.
     train_rows, eval_rows: verl-format rows ({"prompt": [{"role": "user", "content": ...}], "data_source": ...,
-                "reward_model": {"ground_truth": ...}, "extra_info": {...}}) instead of data.train_files /
-                data.eval_files.
+                "reward_model": {"ground_truth": ...}, "extra_info": {...}}) instead of data.*_files.
     Raises grpo.config.ConfigError for bad input (naming the key, file or row) before anything is written, and
     launch.train.RunFailed (naming the phase, the step and the rank) for a failure after start-up.
     """

@@ -2,9 +2,8 @@
 registered by path, the corpus index exported to the factqa_corpus reward, that reward with the configured triple
 extractor (a local causal LM is assembled here: rewards know no model) and window, and optionally workers.
 
-Workers (reward.num_workers) score a step's completions concurrently; a call past reward.timeout_s is abandoned
-(its worker killed and replaced), a worker that dies is an error naming its process and exit code. A fork server
-starts them without torch (forking the training process, with its threads, process group or CUDA, is not safe).
+Workers (reward.num_workers) score a step's completions concurrently, started by a fork server without torch
+(forking the training process, with its threads, process group or CUDA, is not safe).
 """
 from __future__ import annotations
 
