@@ -2,9 +2,8 @@
 infini-gram; tests/memory_counter.py: a token array).
 
 count_cooccurrence counts how often every query phrase (an AND term) occurs within `window` tokens of the
-others; a phrase matches where any of its token variants does (an OR: with and without a leading space for
-byte-level BPE), and a phrase with an unknown word counts 0. Two definitions of "within the window"
-(docs/recipes.md, "Corpus counts", says why the first is the default):
+others; a phrase matches where any of its token variants does (an OR), and a phrase with an unknown word counts
+0. Two definitions of "within the window" (docs/recipes.md, "Corpus counts", says why the first is the default):
 
 "engine": exactly infini-gram's `count_cnf(cnf, max_diff_tokens=window)`, the count the corpus paper's
 thresholds were calibrated on. Each occurrence of the rarest clause starts a range [l, r]; each further clause
@@ -116,11 +115,8 @@ class WordTokenizer:
 
     def variants(self, phrase: str) -> list[list[int]]:
         """[ids] of the phrase, or [] when a word is unknown or there is no word (neither can occur)."""
-        words = self.words(phrase)
-        if not words:
-            return []
-        ids = [self.ids.get(word) for word in words]
-        return [] if None in ids else [ids]
+        ids = [self.ids.get(word) for word in self.words(phrase)]
+        return [ids] if ids and None not in ids else []
 
 
 class ExternalTokenizer:

@@ -3,10 +3,9 @@
     python -m rewards.corpus build --input corpus.jsonl --out DIR      # one {"text": ...} object per line
     python -m rewards.corpus count --index DIR --head "Marie Curie" --tail "Nobel Prize"
 
-The directory holds infini-gram's v4 files (tokenized.0, offset.0, table.0, from its suffix-array builder
-`infini_gram.indexing.build_sa`), vocab.txt (one word per line, id = line number) and nanogrpo-index.json
-(sizes, tokenizer), written last. The tokenizer is ours (rewards.cooccurrence); the engine finds each phrase's
-occurrences. It checks none of its files, so check_index does.
+The directory holds infini-gram's v4 files (tokenized.0, offset.0, table.0), vocab.txt (one word per line,
+id = line number) and nanogrpo-index.json (sizes, tokenizer), written last. The tokenizer is ours
+(rewards.cooccurrence); the engine finds each phrase's occurrences.
 
 The token stream is 16-bit (docs/recipes.md, "Corpus counts", says why); ids that do not fit one token take two:
 
@@ -16,11 +15,6 @@ The token stream is 16-bit (docs/recipes.md, "Corpus counts", says why); ids tha
              separator tokens per document, so every position is exactly twice its "u16" one.
 
 No token has 0xFF as its high byte, so the engine's byte-level search for the separator finds real ones only.
-
-infini-gram quirks handled here: the builder chdirs (restored), panics with several jobs on a tiny corpus (one
-CPU below 16 MiB) and calls exit(1) on failure (a RuntimeError here); the engine sorts its files by substrings
-of the FULL path ("tokenized", "table", "offset", "metadata"), so such a path is built elsewhere and moved, and
-opened through a neutral symlink.
 """
 from __future__ import annotations
 
@@ -42,10 +36,11 @@ from rewards.cooccurrence import SEMANTICS, Clause, CooccurrenceCounter, Externa
 META_FILE, VOCAB_FILE = "nanogrpo-index.json", "vocab.txt"
 FORMAT, VERSION = "nanogrpo-corpus-index", 2  # version 1: the "u16" layout, rare words capped
 ENGINE_FILES = ("tokenized.0", "offset.0", "table.0")
+# infini-gram's engine sorts its files by these substrings of their FULL path: an index under such a path is
+# built elsewhere and moved, and opened through a neutral symlink.
 _ENGINE_NAME_PARTS = ("tokenized", "table", "offset", "metadata", "metaoff")
-_ONE_CPU_BELOW_BYTES = 16 * 2**20
+_ONE_CPU_BELOW_BYTES = 16 * 2**20  # infini-gram's builder panics with several jobs on a smaller corpus
 TOKEN_WIDTH = 2  # bytes per stored token
-# The token layout (module docstring):
 SEPARATOR_ID = 0xFFFF
 MAX_SINGLE_ID = 0xFEFF
 HIGH_IDS = 32_639
@@ -119,7 +114,7 @@ def _run_builder(work_dir: Path, data_bytes: int, cpus: int | None) -> None:
         raise RuntimeError(f"infini-gram's suffix-array builder failed in {work_dir}:\n"
                            f"{captured.getvalue()[-2000:]}") from None
     finally:
-        os.chdir(working_directory)
+        os.chdir(working_directory)  # the builder chdirs into its save_dir
     if not (work_dir / "table.0").exists():
         raise RuntimeError(f"infini-gram's builder wrote no table.0 in {work_dir}:\n{captured.getvalue()[-2000:]}")
 
@@ -258,11 +253,9 @@ def check_index(path: Path) -> dict:
 
 class CorpusIndex(CooccurrenceCounter):
     """Co-occurrence counts (rewards.cooccurrence) on a built index, positions in ids whatever the layout.
-
-    encode_fn: required for an index built with one, checked against the fingerprint stored then.
-    max_clause_freq: a phrase with more occurrences is subsampled by infini-gram and its count scaled back,
-    as infini-gram's own counts are (the default is the engine's).
-    """
+    encode_fn: required for an index built with one, checked against its stored fingerprint. max_clause_freq
+    (the engine's default): a phrase with more occurrences is subsampled and its count scaled back, as the
+    engine's own counts are."""
 
     def __init__(self, path: str | os.PathLike, *, encode_fn: Callable[[str], list[int]] | None = None,
                  max_clause_freq: int = 50_000, cache_positions: int = 4_000_000, semantics: str = "engine") -> None:
