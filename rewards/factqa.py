@@ -8,9 +8,6 @@ together within 1000 tokens of a reference corpus (rewards.cooccurrence), the co
 (the corpus paper's thresholds, where its sentence accuracy jumps from 23% at count 0 to 81% at >= 20).
 The trainer adds sentence_coef * r_sent to those sentences' tokens (docs/conventions.md, "Sentence rewards"),
 an order of magnitude below the judge.
-
-The registered `factqa_corpus` opens the index at extra_info["corpus_index"] or $NANOGRPO_CORPUS_INDEX;
-make_factqa_reward(counter, extractor) builds one on any counter to register yourself.
 """
 from __future__ import annotations
 
@@ -42,9 +39,7 @@ ALIAS_KEYS = ("aliases", "answers", "answer", "target")
 
 def count_reward(count: int | None) -> float:
     """Sentence reward for a co-occurrence count by COUNT_REWARDS (None: no triple or nothing to query)."""
-    if count is None:
-        return 0.0
-    return next(reward for threshold, reward in COUNT_REWARDS if count >= threshold)
+    return 0.0 if count is None else next(reward for threshold, reward in COUNT_REWARDS if count >= threshold)
 
 
 def normalize_answer(text: str) -> str:
@@ -84,9 +79,7 @@ def parse_aliases(ground_truth: object) -> list[str]:
 def judge_answer(answer: str | None, aliases: list[str]) -> float:
     """+2 when the normalised answer equals an alias or one contains the other at word boundaries
     ("paris" and "paris france" match, "us" and "houses" do not); -1 otherwise, when empty or a refusal."""
-    if answer is None:
-        return JUDGE_WRONG
-    prediction = normalize_answer(answer)
+    prediction = normalize_answer(answer) if answer is not None else ""
     if not prediction or prediction in REFUSALS or prediction.startswith(_REFUSAL_PREFIXES):
         return JUDGE_WRONG
     padded = f" {prediction} "
@@ -120,9 +113,8 @@ def sentence_rewards(solution_str: str, counter: CooccurrenceCounter,
 
 
 def make_factqa_reward(counter: CooccurrenceCounter, extractor=None) -> Callable[..., dict]:
-    """The reward (module docstring) on `counter` (anything with count_cooccurrence) and `extractor` (default
-    RuleTripleExtractor). Other keys: judge, format, correct, sentence_count, sentences_queried,
-    sentence_reward_mean."""
+    """The reward (module docstring) on `counter` (anything with count_cooccurrence, to register under your own
+    name) and `extractor` (default RuleTripleExtractor), its components as further keys."""
     extractor = extractor if extractor is not None else RuleTripleExtractor()
 
     def factqa_reward(data_source: str, solution_str: str, ground_truth: object,

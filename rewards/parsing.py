@@ -78,8 +78,7 @@ def find_block(text: str, name: str) -> tuple[int, int] | None:
 
 
 def extract_block(text: str, name: str) -> str | None:
-    """The raw content (whitespace kept) of the first `<name>...</name>` block (case-insensitive, may span lines),
-    or None."""
+    """The text of find_block's span (whitespace kept), or None."""
     span = find_block(text, name)
     return None if span is None else text[span[0]:span[1]]
 

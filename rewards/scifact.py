@@ -4,8 +4,6 @@ and `evidence_qa` (a smooth weighted sum for free-text answers with evidence).
 Completion protocol: `<answer>\\nLABEL\\n</answer>\\n\\n<evidence>\\n[1] sentence\\n[2] ...\\n</evidence>`, LABEL in
 SUPPORTS / REFUTES / NOT_ENOUGH_INFO. Ground truth: JSON `{"answer": label, "evidence": [sentence, ...]}`
 (keys `label`/`target` and `evidences`/`gold_evidence` also accepted); a non-JSON string is the answer alone.
-
-Both return `{"score", "format", "answer" (or "answer_f1"), "evidence", "conciseness"}`, every value in [0, 1].
 """
 from __future__ import annotations
 
@@ -55,9 +53,7 @@ def gold_label(answer: str) -> str:
 def evidence_items(block: str | None) -> list[str]:
     """Non-empty lines of an `<evidence>` block without a leading `[n] ` and then `- ` or `* ` (the whole
     stripped block when every line empties; no block, no items)."""
-    if block is None:
-        return []
-    stripped = block.strip()
+    stripped = (block or "").strip()
     items = []
     for line in stripped.splitlines():
         item = line.strip()
