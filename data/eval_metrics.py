@@ -1,9 +1,8 @@
 """Evaluation metrics per data source as pure functions: the published tables' numbers for SciFact evidence,
 corpus-grounded factual QA and the answer verifier, read with the rewards' own parsers.
 
-A record: `{"data_source", "completion", "ground_truth"}` and optionally "extra_info", "completion_tokens",
-"finish_reason", "reward". A rate over an empty denominator is 0.0 (the official SciFact scorer's safe
-division), so every metric is a number.
+A record: `{"data_source", "completion", "ground_truth"}`, optionally more (score_example, summarize). A rate
+over an empty denominator is 0.0 (the official SciFact scorer's safe division), so every metric is a number.
 """
 from __future__ import annotations
 

@@ -122,8 +122,6 @@ def read_json_array(path: str | Path) -> list[tuple[int, dict]]:
     return records
 
 
-
-
 def require(record: dict, key: str, expected: type | tuple[type, ...], where: str) -> Any:
     """`record[key]`, checked to be of the expected type; the error names `where` (file:line) and the key."""
     if key not in record:

@@ -1,10 +1,8 @@
-"""SciFact's claim/evidence task as rows (data/synthetic.py's generated task uses them too), and the official
-release files converted to them: `python -m data.scifact --input DIR --out DIR`.
+"""SciFact's claim/evidence task as `scifact_evidence` rows (data/synthetic.py's generated task uses them too),
+and the official release files converted to them: `python -m data.scifact --input DIR --out DIR`.
 
-The model sees a claim and numbered sentences and answers in the `scifact_evidence` reward's protocol; the
-ground truth is `{"answer": LABEL, "evidence": [sentences]}`. Per claim of the release: the first evidence
-document and its first rationale set (SUPPORT -> SUPPORTS, CONTRADICT -> REFUTES); a claim without evidence
-gets its first cited document and NOT_ENOUGH_INFO. The test split hides its labels, so it is refused.
+Per claim of the release: the first evidence document and its first rationale set (SUPPORT -> SUPPORTS,
+CONTRADICT -> REFUTES); a claim without evidence gets its first cited document and NOT_ENOUGH_INFO.
 """
 from __future__ import annotations
 
@@ -47,17 +45,11 @@ def evidence_prompt(claim: str, title: str, sentences: list[str]) -> str:
     return f"Claim: {_one_line(claim)}\n\nTitle: {_one_line(title)}\n{numbered}\n\n{INSTRUCTIONS}"
 
 
-def evidence_target(label: str, evidence: list[str]) -> str:
-    """The completion to imitate (NOT_ENOUGH_INFO, without evidence, has an empty `<evidence>` block)."""
-    lines = "".join(f"[{k}] {_one_line(sentence)}\n" for k, sentence in enumerate(evidence, start=1))
-    return f"<answer>\n{label}\n</answer>\n\n<evidence>\n{lines}</evidence>"
-
-
 def evidence_row(claim: str, title: str, sentences: list[str], label: str, evidence_indices: list[int], *,
                  index: int, split: str, **extra_info) -> dict:
-    """A `scifact_evidence` row: the prompt, the ground truth as JSON text, and in `extra_info` the SFT target,
-    the label, the evidence indices (0-based into `sentences`, listed in reading order) and any extras.
-    NOT_ENOUGH_INFO takes no evidence, the other labels at least one sentence."""
+    """A row: the prompt, the ground truth `{"answer": label, "evidence": [sentences]}` as JSON text, and in
+    `extra_info` the SFT target (the completion to imitate), the label, the evidence indices (0-based into
+    `sentences`, listed in reading order) and any extras."""
     if label not in LABELS:
         raise ValueError(f"label {label!r} is not one of {LABELS}")
     if label == "NOT_ENOUGH_INFO" and evidence_indices:
@@ -68,12 +60,13 @@ def evidence_row(claim: str, title: str, sentences: list[str], label: str, evide
         if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position < len(sentences):
             raise ValueError(f"evidence index {position!r} is out of range for {len(sentences)} sentences")
     indices = sorted(set(evidence_indices))
-    evidence = [sentences[position] for position in indices]
-    ground_truth = json.dumps({"answer": label, "evidence": [_one_line(sentence) for sentence in evidence]},
-                              ensure_ascii=False)
+    evidence = [_one_line(sentences[position]) for position in indices]
+    ground_truth = json.dumps({"answer": label, "evidence": evidence}, ensure_ascii=False)
+    lines = "".join(f"[{k}] {sentence}\n" for k, sentence in enumerate(evidence, start=1))
+    target = f"<answer>\n{label}\n</answer>\n\n<evidence>\n{lines}</evidence>"  # NOT_ENOUGH_INFO: an empty block
     return make_row([{"role": "user", "content": evidence_prompt(claim, title, sentences)}], data_source=DATA_SOURCE,
-                    ability=ABILITY, ground_truth=ground_truth, index=index, split=split,
-                    target=evidence_target(label, evidence), label=label, evidence_indices=indices, **extra_info)
+                    ability=ABILITY, ground_truth=ground_truth, index=index, split=split, target=target, label=label,
+                    evidence_indices=indices, **extra_info)
 
 
 def load_corpus(path: str | Path) -> dict[int, dict]:

@@ -1,10 +1,9 @@
 """A generated claim/evidence task about invented companies: `python -m data.synthetic --n 200 --seed 0 --out FILE`.
 
-Each example shows 3-4 sentences, each stating one attribute (founding year, city, staff, product, leader, logo
-colour) of an invented company, and a claim about one company's attribute: SUPPORTS when a sentence states it
-with the same value, REFUTES with another value, NOT_ENOUGH_INFO when none states it (the company still
-appears, with another attribute, so the name alone does not decide). The one deciding sentence is the gold
-evidence. Rows use the SciFact prompt and reward, so the demo runs the real pipeline on facts no model knows.
+Each example shows 3-4 sentences, each stating one attribute of an invented company, and a claim about one
+company's attribute: SUPPORTS when a sentence states it with the same value, REFUTES with another value,
+NOT_ENOUGH_INFO when none states it; the deciding sentence is the gold evidence. Rows use the SciFact prompt
+and reward, so the demo runs the real pipeline on facts no model knows.
 """
 from __future__ import annotations
 
@@ -48,7 +47,7 @@ def _sentence(attribute: str, entity: str, value: str) -> str:
 def generate_example(rng: random.Random, label: str) -> tuple[str, list[str], list[int]]:
     """(claim, context sentences, gold evidence indices) for one example with the given label."""
     num_sentences = rng.randint(3, 4)  # 5 would push the chat-rendered prompt past ~200 tokens
-    names: set[str] = set()  # distinct invented company names
+    names: set[str] = set()
     while len(names) < num_sentences:
         names.add(f"{rng.choice(FIRST_SYLLABLES)}{rng.choice(SECOND_SYLLABLES)} {rng.choice(KINDS)}")
     target, *others = rng.sample(sorted(names), num_sentences)  # sorted first: set order varies across runs
