@@ -1,5 +1,4 @@
-"""Models: loading (local directory, offline HF cache, embedded default), chat formatting, batch layout,
-memory-lean logprobs, FSDP2 sharding and HF-format checkpoints."""
+"""Models: loading, chat formatting, batch layout, memory-lean logprobs, FSDP2 sharding and checkpoints."""
 from models.chat import render_prompt
 from models.loading import load_model, load_tokenizer, resolve_model_dir
 

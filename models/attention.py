@@ -7,8 +7,7 @@ every attention layer, also when gradient checkpointing recomputes one) runs our
   transformers does on CPU whenever a mask is passed).
 - packed_segments: one padding-free row of segments (models.logprobs.pack_batch); segment (start, end,
   prefix_start, prefix_end) has queries [start, end) that attend to keys [prefix_start, prefix_end) in full and
-  causally to [start, end). One sdpa call per segment, or with flash_attention_2 (packed_varlen given) one
-  flash_attn_varlen_func call over keys gathered per segment.
+  causally to [start, end); with flash_attention_2, packed_varlen (varlen_layout) comes with it.
 """
 from __future__ import annotations
 

@@ -8,11 +8,7 @@ import torch
 
 
 def pad_batch(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], pad_id: int) -> dict:
-    """Lay out B (prompt, completion) pairs as one padded batch.
-
-    prompt_ids:     B lists of prompt token ids (each non-empty).
-    completion_ids: B lists of completion token ids (may be empty).
-    Returns a dict of CPU tensors:
+    """Lay out B (prompt, completion) token-id lists, prompts non-empty, as one padded batch of CPU tensors:
       input_ids       [B, Lp+T] long: prompt LEFT-padded to Lp (longest prompt), completion RIGHT-padded to T
       attention_mask  [B, Lp+T] long: 1 on real tokens, 0 on padding
       position_ids    [B, Lp+T] long: (cumsum(attention_mask) - 1).clamp(min=0), so each row starts at 0
@@ -53,15 +49,13 @@ def pad_batch(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequ
 
 
 def micro_batches_by_tokens(lengths: Sequence[int], max_tokens: int, *, min_count: int = 1) -> list[list[int]]:
-    """Split items of the given token lengths (a sequence, or one prompt's group that a packed pass shares)
-    into as few micro-batches of at most `max_tokens` tokens each as the budget allows, with the tokens spread
-    evenly over them; returns lists of item indices, each ascending, ordered by their first index.
-
-    min_count: the least number of micro-batches (the largest count any rank needs: FSDP's collectives pair up
-    across ranks); the extra ones are empty lists, which the caller runs as zero-weight passes.
-    How: k starts at max(ceil(total / max_tokens), min_count); items in decreasing length go to the least
+    """Split sequences of the given token lengths into as few micro-batches of at most `max_tokens` tokens each
+    as the budget allows, the tokens spread evenly over them; returns lists of sequence indices, each ascending,
+    ordered by their first index. min_count: the least number of micro-batches (the largest count any rank needs:
+    FSDP's collectives pair up across ranks); the extra ones are empty lists, run as zero-weight passes.
+    How: k starts at max(ceil(total / max_tokens), min_count); sequences in decreasing length go to the least
     loaded micro-batch that still has room (longest-processing-time first, ties to the lower one, so the plan
-    is deterministic); if some item fits nowhere, k grows by one.
+    is deterministic); if one fits nowhere, k grows by one.
 
     >>> micro_batches_by_tokens([5, 1, 4, 3, 2, 9], max_tokens=10)
     [[0, 1, 4], [2, 3], [5]]

@@ -10,8 +10,7 @@ Layout of `step_<n>/`:
     trainer_state.json         {"step", "world_size", "has_optimizer", "lora", "extra"}
     COMPLETE                   written last: {"step", "files": {path: bytes}, "crc32": {path: CRC-32}}
 Everything is written into a hidden sibling `.step_<n>.partial` and renamed into place once COMPLETE is written,
-so a crash mid-save leaves nothing `latest_checkpoint` returns. A load checks every file's size and CRC-32 (a
-flipped bit anywhere is refused, naming the file) and the weights' shapes before it changes anything.
+so a crash mid-save leaves nothing `latest_checkpoint` returns; a load checks it all before it changes anything.
 """
 from __future__ import annotations
 
@@ -66,8 +65,7 @@ def _trained_weights(model: torch.nn.Module) -> tuple[list[tuple[str, torch.Tens
 
 
 def _write_weights(directory: Path, model: torch.nn.Module, tokenizer, merged_export: bool) -> None:
-    """Every rank gathers, rank 0 writes: the model as an HF directory, or a LoRA model's adapter (only its tensors
-    are gathered) and tokenizer, and with merged_export the merged model in merged/ (no peft needed)."""
+    """Every rank gathers, rank 0 writes the model or a LoRA model's adapter (only its tensors are gathered)."""
     if not lora.is_lora(model):
         return _write_model(directory, model, tokenizer)
     weights = {name: (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().cpu()

@@ -52,7 +52,6 @@ def convert_gguf(gguf_path: Path) -> Path:
     and return it (at once when an earlier conversion finished). It is written into a private temporary
     directory and renamed into place, so two processes converting at once cannot leave a half-written one."""
     gguf_path = Path(gguf_path).expanduser().resolve()  # a file: both callers check
-    # The cache directory's name changes when the file's size does.
     target = cache_root() / f"{gguf_path.stem}-{gguf_path.stat().st_size}-v{CONVERSION_VERSION}"
     if is_converted(target):
         return target

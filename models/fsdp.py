@@ -1,8 +1,5 @@
-"""FSDP2 for HF causal LMs, and every collective the models package needs: sharding, streaming full tensors
-(weight sync, export), rank-0 loading with a broadcast, and distributed optimizer checkpoints.
-
-Without torch.distributed initialised every function here also works on a plain single-process model, so
-callers need no branches.
+"""FSDP2 for HF causal LMs, and every collective the models package needs. Without torch.distributed initialised
+every function here also works on a plain single-process model, so callers need no branches.
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Load a causal LM and its tokenizer from a local directory, a GGUF file, the local Hugging Face cache
-(offline only), or -- with no name -- the embedded SmolLM2-135M-Instruct.
-
-Nothing here downloads: the machines this project targets have no hub access, so a hub id that is not
-already cached fails with a message saying how to point at a directory instead.
+"""Load a causal LM and its tokenizer by a name resolve_model_dir accepts. Nothing here downloads: the machines
+this project targets have no hub access, so a hub id that is not already cached fails with a message saying how
+to point at a directory instead.
 """
 from __future__ import annotations
 

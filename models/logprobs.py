@@ -3,8 +3,7 @@
 `completion_logprobs` keeps the model's final hidden states and projects them to the vocabulary only at real
 completion positions, a chunk at a time (models.chunked_softmax), so the [B, Lp+T, V] logits never exist.
 B sequences, Lp prompt columns, T completion columns, V vocabulary, H hidden size, M real completion tokens.
-A micro-batch runs one of three ways, with the same values up to float rounding: plain (B x (Lp+T)), shared
-prompts (each distinct prompt once, the completions on its KV cache) and packed (one padding-free row).
+The three ways a micro-batch runs (plain, shared prompts, packed) give the same values up to float rounding.
 """
 from __future__ import annotations
 
@@ -85,7 +84,6 @@ def pack_batch(batch: dict, prompt_index: Tensor | None = None) -> PackedBatch:
     prompt's keys and causally to itself; a prompt of one row and its completion as one causal segment. The
     forward then covers U*Lp + sum(T_b) tokens (U distinct prompts) instead of B*(Lp+T). The last token of a
     completion is only a label (nothing is predicted from it), so it is not packed.
-    Raises ValueError if a completion_mask row is not ones followed by zeros (pad_batch's layout).
     """
     input_ids, attention_mask = batch["input_ids"].cpu(), batch["attention_mask"].cpu()
     completion_mask, prompt_len = batch["completion_mask"].cpu() > 0, int(batch["prompt_len"])
@@ -201,9 +199,8 @@ def _completion_hidden(model, batch: dict, *, share_prompts: bool, packed: bool)
                          and torch.is_grad_enabled())
         # The shared-prompt pass runs two forwards on a KV cache, which gradient checkpointing drops inside its
         # layers. Under FSDP every rank must run as many forwards as the others (each all-gathers every layer),
-        # while whether a micro-batch repeats a prompt differs from rank to rank, so a model sharded over several
-        # ranks never takes it (one rank computes what one process does). The packed pass then shares the
-        # prompts in one forward where the model can pack; the plain pass runs where it cannot.
+        # while whether a micro-batch repeats a prompt differs by rank, so a model sharded over several ranks never
+        # takes it. The packed pass then shares the prompts where the model can pack; elsewhere the plain pass runs.
         on_cache = shared and not checkpointing and not (fsdp.is_sharded(model) and fsdp.world_size() > 1)
         if packed or (shared and not on_cache and unpackable(model) is None):
             return _packed_hidden(model, batch, prompt_index if shared else None, captured, device)
@@ -230,8 +227,7 @@ def completion_logprobs(model: torch.nn.Module, batch: dict, *, temperature: flo
                         packed: bool = False, vocab_size: int | None = None) -> tuple[Tensor, Tensor | None]:
     """Logprobs (and optionally entropies) of the completion tokens under `model`, scaled by temperature.
 
-    batch: the dict of models.batching.pad_batch (input_ids, attention_mask, position_ids [B, Lp+T],
-           completion_mask [B, T], prompt_len Lp).
+    batch: a models.batching.pad_batch dict (ids and masks [B, Lp+T], completion_mask [B, T], prompt_len Lp).
     Returns (logprobs [B, T] float32, entropy [B, T] float32 or None); both are 0 where completion_mask is 0.
     Differentiable with respect to the model's parameters, for a plain HF model and an FSDP2-sharded one.
     share_prompts: when rows repeat a prompt (GRPO's G completions per prompt), run each distinct prompt once
@@ -273,8 +269,7 @@ def completion_logprobs(model: torch.nn.Module, batch: dict, *, temperature: flo
     zeros = torch.zeros(batch_size, completion_len, dtype=torch.float32, device=hidden.device)
     entropy = zeros.masked_scatter(selected, entropy_m) if with_entropy else None
     if not torch.is_grad_enabled():
-        # No backward will come to release FSDP's gathered parameters (the root's, and any unit's that does
-        # not reshard after forward); release them now, so they cannot go stale if an optimizer step
-        # happens before the next forward.
+        # No backward will come to release FSDP's gathered parameters (models.fsdp.reshard): release them now,
+        # so they cannot go stale if an optimizer step happens before the next forward.
         fsdp.reshard(model)
     return zeros.masked_scatter(selected, logprobs_m), entropy

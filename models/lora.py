@@ -1,6 +1,5 @@
-"""LoRA through peft: adapters injected in place into a transformers causal LM, the base model as the free
-reference (adapters disabled), and merged weights W + scale * B @ A streamed under the base HF names for the
-rollout engine (models.checkpoint writes the adapter in peft's format).
+"""LoRA through peft: adapters in a transformers causal LM, the base model as the free KL reference, merged weights
+for the rollout engine (models.checkpoint writes the adapter in peft's format).
 
 Why `inject_adapter_in_model` rather than `get_peft_model`: the model stays the same LlamaForCausalLM object (no
 PeftModel wrapper, no "base_model.model." prefix), so FSDP2 still finds its decoder layers, gradient checkpointing
@@ -107,9 +106,8 @@ def disabled_adapters(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
 
 def merged_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """Stream (base HF name, full tensor) of the model with every adapter merged, W + scale * B @ A, in the
-    base model's order, e.g. ("model.layers.0.self_attn.q_proj.weight", [out, in]), without modifying the model:
-    each merged tensor is computed from the gathered W, A and B (in fp32, returned in W's dtype). Every rank must
+    """Stream (base HF name, full tensor) in the base model's order with every adapter merged, W + scale * B @ A
+    (from the gathered W, A and B in fp32, returned in W's dtype; the model is not modified). Every rank must
     consume the whole iterator (as models.fsdp.full_state_dict's, which a model without adapters streams)."""
     if not is_lora(model):
         yield from fsdp.full_state_dict(model)

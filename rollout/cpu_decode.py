@@ -1,13 +1,8 @@
 """CPU speed work for the transformers engine: the prefill and the decode step of a Llama-family decoder
 (Llama, Mistral, Qwen2, Qwen3) written out as tensor operations on the model's own modules, over key/value
-buffers of its own. rollout.hf_engine runs it where `supported` says so; it gives the model's logits up to float
-rounding. What it does that the model's forward does not (what each gave: bench/README.md, "Decode-step profile"):
-- each prompt's keys and values are held once for its n rows; a new token attends to them and to its own row's
-  keys in two calls of torch's CPU flash-attention kernel, merged by their log-sum-exp;
-- grouped-query attention without copying key/value heads, and buffers allocated once, not grown per token;
-- q/k/v and gate/up each one product, and every projection and the head reordered once per generate call into
-  oneDNN's blocked layout, faster than MKL on nn.Linear's layout for few-row products (~1e-6 relative apart);
-- none of transformers' forward plumbing (mask building, output capture, its cache protocol).
+buffers of its own, without transformers' forward plumbing (mask building, output capture, its cache protocol).
+rollout.hf_engine runs it where `supported` says so; it gives the model's logits up to float rounding. What each
+part gains: bench/README.md, "Decode-step profile".
 """
 from __future__ import annotations
 
@@ -19,9 +14,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # transformers' 
 
 
 def supported(model: torch.nn.Module) -> bool:
-    """True when `CPUDecoding` computes what `model`'s forward computes and can run here: a Llama-family decoder
-    with full attention through sdpa (another attention implementation is the caller's choice and is kept), on CPU
-    in float32 or bfloat16, with torch's oneDNN linear kernels (torch's CPU flash attention is always built)."""
+    """True when `CPUDecoding` computes what `model`'s forward computes and can run here (another attention
+    implementation than sdpa is the caller's choice and is kept; torch's CPU flash attention is always built)."""
     config, weight = model.config, model.get_input_embeddings().weight
     if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES or config._attn_implementation != "sdpa":
         return False
@@ -34,8 +28,9 @@ def supported(model: torch.nn.Module) -> bool:
 
 
 class Projection:
-    """nn.Linear modules applied to one input, as ONE product on their weights stacked and reordered for oneDNN
-    (`rows`: the expected row count, a hint), or as the modules themselves when one of them is not a plain
+    """nn.Linear modules applied to one input, as ONE product on their weights stacked and reordered once into
+    oneDNN's blocked layout (`rows`: the expected row count, a hint), faster than MKL on nn.Linear's layout for
+    few-row products (~1e-6 relative apart); or as the modules themselves when one of them is not a plain
     nn.Linear (a LoRA-wrapped layer computes more than its weight). Returns each module's output, in order."""
 
     def __init__(self, modules: list[torch.nn.Module], rows: int):
@@ -57,8 +52,8 @@ class Projection:
 
 
 class KVBuffer:
-    """Keys and values as plain tensors, [rows, kv_heads, capacity, head_dim] each, allocated once and filled left
-    to right (all rows share one length): one layer's completion tokens."""
+    """Keys and values as plain tensors, [rows, kv_heads, capacity, head_dim] each, allocated once (not grown per
+    token) and filled left to right (all rows share one length): one layer's completion tokens."""
 
     def __init__(self, capacity: int):
         self.capacity, self.length, self.keys, self.values = capacity, 0, None, None
@@ -162,7 +157,7 @@ class CPUDecoding:
         """A decode step's attention in layer `index`: the new key/value [A, kv_heads, 1, d] join the row's
         buffer; the query [A, heads, 1, d] attends to its prompt's keys and to its row's, in two flash-attention
         calls whose outputs are weighted by their share of the softmax mass (from their log-sum-exp). Query head
-        h reads key/value head h // (heads / kv_heads), as transformers' repeat_kv. Returns [A, 1, heads * d]."""
+        h reads key/value head h // (heads / kv_heads) as in repeat_kv, without copies. Returns [A, 1, heads * d]."""
         keys, values = self.completions[index].append(key, value)
         rows, kv_heads, head_dim = query.shape[0], key.shape[1], query.shape[-1]
         group = query.shape[1] // kv_heads

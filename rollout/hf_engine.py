@@ -14,7 +14,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from models.batching import pad_batch
-from models.logprobs import evaluating
+from models.logprobs import evaluating, sampleable_vocab_size
 from rollout.cpu_decode import CPUDecoding, supported
 from rollout.engine import Completion, Engine, completion_text, oom_explained, torch_threads, validate_request
 
@@ -47,8 +47,7 @@ class HFEngine(Engine):
         self.eos_token_ids = sorted(set(int(token) for token in eos_token_ids))
         self.max_context = int(max_context or model.config.max_position_embeddings)
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
-        # A padded vocabulary (more model rows than tokenizer entries) has ids with no text: never sample them.
-        self.num_text_tokens = min(len(tokenizer), model.get_output_embeddings().weight.shape[0])
+        self.num_text_tokens = sampleable_vocab_size(model, tokenizer)  # padded rows have no text: never sampled
 
     def generate(self, prompts: list[list[int]], *, n: int = 1, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] | None = None,
@@ -70,7 +69,6 @@ class HFEngine(Engine):
         generator = torch.Generator(device=device)
         generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
         prompt_lengths = torch.tensor([len(prompt) for prompt in prompts]).repeat_interleave(n)
-        # Per-row budget [B]: max_new_tokens, cut to what the context leaves after the prompt.
         budget = (self.max_context - prompt_lengths).clamp(max=max_new_tokens).to(device)
         steps = int(budget.max())
         # Prompts left-padded with the trainer's positions (models.batching.pad_batch), so their logprobs agree.

@@ -18,7 +18,6 @@ from torch import Tensor
 
 from models.lora import merged_state_dict
 
-# "model.layers.12.self_attn.q_proj.weight" -> "model.layers.12."; the first dotted integer ends the prefix.
 _LAYER_PREFIX = re.compile(r"^(.*?\.\d+\.)")
 
 
@@ -75,10 +74,9 @@ def updating_weights(engine):
 
 
 def sync_weights(model, engine, *, bucket_bytes: int) -> dict[str, float]:
-    """Push the policy's (plain or FSDP2-sharded) current weights into `engine`, LoRA adapters merged under the base
-    names (W + scale * B @ A), in `update_weights` calls of about `bucket_bytes` (`bucketed`): larger buckets mean
-    fewer calls, smaller ones bound the sync's extra memory. Returns sync/seconds (wall time, gathers included),
-    sync/load_seconds (inside the engine), sync/bytes, sync/buckets and sync/max_bucket_bytes."""
+    """Push the policy's current weights, LoRA adapters merged, into `engine` in `update_weights` calls of about
+    `bucket_bytes` (larger: fewer calls; smaller: less extra memory). Returns sync/seconds (wall time, gathers
+    included), sync/load_seconds (inside the engine), sync/bytes, sync/buckets and sync/max_bucket_bytes."""
     start, load_seconds, sizes = time.perf_counter(), 0.0, []
     with updating_weights(engine):
         for bucket in bucketed(merged_state_dict(model), bucket_bytes):

@@ -59,8 +59,8 @@ class VLLMEngine:
     def __init__(self, arguments: dict):
         model_path = Path(arguments["model"]).expanduser()
         # In process, collective_rpc runs our reload function on the worker without pickling the weights (the
-        # external launcher forces this too). With the WeightReload extension (a rollout rank of a separate placement,
-        # whose torchrun world vLLM must not join: launch.plan) the engine core runs in a process and world of its own.
+        # external launcher forces this too). With WeightReload (a separate placement's rollout rank, whose torchrun
+        # world vLLM must not join: launch.plan) the engine core runs in a process and world of its own.
         self.in_process = arguments.get("worker_extension_cls") != WORKER_EXTENSION
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
         self.cpu_tensor_parallel = (not arguments.get("enable_sleep_mode")
@@ -91,9 +91,8 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], *, n: int = 1, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] | None = None,
                  seed: int | None = None) -> list[Completion]:
-        """Sample n completions per prompt (rollout.engine.Engine). Prompt p samples with prompt_seed(seed, p) and
-        vLLM gives its i-th completion that + i, so no two completions share a random stream (one seed for the call
-        would give every prompt's i-th the same); seed None: the replica's RNG."""
+        """Sample n completions per prompt (rollout.engine.Engine), prompt p with prompt_seed(seed, p) (one seed for
+        the call would give every prompt's i-th completion the same stream); seed None: the replica's RNG."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -134,8 +133,7 @@ class VLLMEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Reload HF-named full tensors in place into every local worker (`reload_worker`), then reset the prefix
         cache (cached prefixes are keyed by tokens, not weights: stale KV would be reused). Each call must hold
-        whole decoder layers (rollout.sync.bucketed): vLLM rebuilds a fused q/k/v or gate/up module only from
-        parts loaded together. Out of process the bucket goes to the WeightReload extension as safetensors bytes."""
+        whole decoder layers (rollout.sync.bucketed). Out of process the bucket goes to WeightReload."""
         weights = list(named_tensors)
         names = {name for name, _ in weights}
         expected = set().union(*(self.checkpoint_groups.get(weight_group(name), set()) for name in names))
