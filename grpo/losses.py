@@ -182,8 +182,7 @@ def rl_loss(algo: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, advan
     rollout_logprobs when algo.tis_cap is set) + kl_coef * aggregated KL to ref_logprobs (unless algo.kl_in_reward)
     - entropy_coef * aggregated entropy, every term over the same `denominator` (the whole optimizer step's count)
     and max_len (Dr. GRPO's constant length). Tensors are [b, T] (advantages [b] or [b, T]), moved to logprobs'
-    device. Returns (loss with gradient, metrics as floats): policy_loss's, plus kl, entropy and logprob_gap
-    (masked mean |old - rollout|) where their input is given, tis_weight_mean and tis_clip_frac when IS is on."""
+    device. Returns (loss with gradient, metrics as floats: policy_loss's and those of each term given)."""
     device = logprobs.device
     old_logprobs, advantages, mask = (t.to(device) for t in (old_logprobs, advantages, mask))
     if rollout_logprobs is not None:

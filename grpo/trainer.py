@@ -1,11 +1,7 @@
 """The RL loop (GRPO, DAPO, Dr. GRPO, GSPO, RLOO, REINFORCE++, CISPO, process-reward GRPO) and the SFT loop (cold
-start before RL), each one function read top to bottom. An RL step is three phases and a weight sync:
-
-    rollout  parts.rollout.collect      P prompts x G completions per rank, scored (grpo/groups.py); DAPO keeps
-                                        informative groups
-    prepare  grpo.update.prepare        the update's plan, old/reference logprobs, rewards, advantages
-    update   grpo.update.update         ppo_epochs passes over the mini-batches, one optimizer step each
-    sync     parts.rollout.sync_weights the engine(s) get the updated weights, within rollout.sync_timeout_s
+start before RL), each one function read top to bottom. An RL step is a rollout (P prompts x G completions per
+rank, scored), prepare (the update's plan, old/reference logprobs, rewards, advantages), the update (ppo_epochs
+passes over the mini-batches, one optimizer step each) and the weight sync; docs/how_a_step_runs.md walks them.
 
 Variants are settings of the run's Config (grpo/config.py), not subclasses. What is global under torchrun (loss
 denominators, batch statistics, the gradient norm, the skip decision) is reduced where it is computed; the rest
@@ -127,8 +123,7 @@ class Parts:
 
 def held_out_due(done: int, start: int, trainer: TrainerConfig) -> bool:
     """Whether the held-out rows are scored with the weights after `done` steps of a run that started at `start`:
-    before its first step when trainer.eval_before, every trainer.eval_every steps (0: never between) and after
-    the last one. The one schedule, also for engine ranks of their own (launch/separate.py)."""
+    the one schedule, also for engine ranks of their own (launch/separate.py)."""
     if done == start:
         return trainer.eval_before
     return done == trainer.steps or (trainer.eval_every > 0 and done % trainer.eval_every == 0)
@@ -213,7 +208,6 @@ def train_sft(parts: Parts, dist) -> dict:
             size = trainer.micro_batch_size
             batches = [pad_batch([p for p, _ in examples[s:s + size]], [c for _, c in examples[s:s + size]],
                                  parts.pad_id) for s in range(0, len(examples), size)]
-            # Global token count of the step: every token weighs the same however the batch is split.
             local_tokens = sum(loss_denominator(batch["completion_mask"], SFT_AGG) for batch in batches)
             num_tokens = dist.all_reduce_sum(torch.as_tensor(local_tokens, dtype=torch.float32, device=dist.device))
             loss_sum = 0.0

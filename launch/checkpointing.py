@@ -1,7 +1,6 @@
-"""The one object that owns a run's progress (the loops see it as grpo.trainer.Checkpoints): where it starts (a
-resumed checkpoint or step 0), which steps are done, when a checkpoint is written (periodic, final, on a stop
-request) and what goes into it: the weights (HF format, or the LoRA adapter), the optimizer, the schedule and every
-rank's data position, written atomically by models/checkpoint.py.
+"""The one object that owns a run's progress (the loops see it as grpo.trainer.Checkpoints): where it starts, which
+steps are done, when a checkpoint is written (periodic, final, on a stop request) and what goes into it: the
+weights (HF format, or the LoRA adapter), optimizer, schedule and every rank's data position (models/checkpoint.py).
 """
 from __future__ import annotations
 
@@ -18,9 +17,8 @@ from models.checkpoint import complete_checkpoints, load_checkpoint, save_checkp
 
 class Checkpointer:
     """Checkpoints of one run under run_dir/checkpoints/step_<n>/, every rank calling in step. sampler: what holds
-    this rank's data position (`position`: a grpo.groups.PromptSampler or launch.separate.RemoteRollout).
-    stop_requested: asked once per step on every rank (reduced over ranks), so every rank stops after the same step.
-    """
+    this rank's data position (a grpo.groups.PromptSampler or launch.separate.RemoteRollout); stop_requested: as
+    launch.train.run's, agreed by every rank."""
 
     def __init__(self, cfg: Config, run_dir: Path, policy: Policy, tokenizer, sampler, dist, *,
                  stop_requested: Callable[[], bool]):

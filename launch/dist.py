@@ -35,7 +35,6 @@ class DistInfo:
     and seeds, and rank tp_rank of the group trains on its share."""
     rank: int = 0
     world_size: int = 1
-    local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     mesh: object = None  # DeviceMesh over this role's ranks (FSDP2), None for one process and for engine ranks
     all_reduce_sum: Callable = _identity
@@ -137,7 +136,7 @@ def init_distributed(cfg: Config | None = None) -> DistInfo:
         torch_dist.init_process_group(backend, timeout=timeout, **options)
     rank = torch_dist.get_rank()
     if not separate:
-        return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device,
+        return DistInfo(rank=rank, world_size=world_size, device=device,
                         mesh=init_device_mesh(device.type, (world_size,)), global_rank=rank,
                         all_reduce_sum=all_reduce(torch_dist.ReduceOp.SUM),
                         all_reduce_max=all_reduce(torch_dist.ReduceOp.MAX))
@@ -151,7 +150,7 @@ def init_distributed(cfg: Config | None = None) -> DistInfo:
     training = rank in trainers
     ranks, group = (trainers, trainer_group) if training else (engines, rollout_group)
     fsdp.use_group(group)
-    return DistInfo(rank=rank - ranks[0], world_size=len(ranks), local_rank=local_rank, device=device,
+    return DistInfo(rank=rank - ranks[0], world_size=len(ranks), device=device,
                     mesh=DeviceMesh.from_group(group, device.type) if training else None,  # the trainers shard
                     all_reduce_sum=all_reduce(torch_dist.ReduceOp.SUM, group),
                     all_reduce_max=all_reduce(torch_dist.ReduceOp.MAX, group), global_rank=rank,
@@ -171,10 +170,9 @@ def shutdown(dist: DistInfo) -> None:
 
 
 def exit_rank(code: int) -> NoReturn:
-    """End the process with `code`, last, after shutdown(). A torchrun rank flushes its streams and logging and
-    leaves with os._exit: DTensor's caches keep the DeviceMesh and the gloo group's threads alive past
-    destroy_process_group, and the interpreter's teardown then sometimes aborts ("terminate called without an
-    active exception", SIGABRT; bench/README.md). One process exits as usual."""
+    """End the process with `code`, after shutdown(). One process exits as usual; a torchrun rank flushes its streams
+    and logging and leaves with os._exit: DTensor's caches keep the DeviceMesh and the gloo group's threads alive
+    past destroy_process_group, and the interpreter's teardown then sometimes aborts (SIGABRT; bench/README.md)."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not under_torchrun():
         sys.exit(code)
     logging.shutdown()
@@ -185,9 +183,6 @@ def exit_rank(code: int) -> NoReturn:
 
 
 # --- CPU runs: glibc keeps freed memory in the process (trainer.keep_freed_memory) ------------------------------
-# glibc serves every large block with a fresh mmap and unmaps it on free, so a training step page-faults its
-# activations, gradients and logit chunks in again every step. With mmap and heap trimming off the pages stay
-# mapped, as an LD_PRELOADed jemalloc or tcmalloc gives; bench/README.md, "Freed memory kept in the process".
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameters (glibc's malloc.h)
 # The same settings as environment variables, for a process that cannot call keep_freed_memory (bench.vs_trl's TRL).
@@ -195,8 +190,9 @@ MALLOC_ENVIRONMENT = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**
 
 
 def keep_freed_memory() -> bool:
-    """Turn off mmap for large blocks (M_MMAP_MAX=0: they come from the heap, which is reused) and heap
-    trimming (M_TRIM_THRESHOLD=-1), process-wide and permanent (calling it again sets the same). Returns
+    """Turn off mmap for large blocks (M_MMAP_MAX=0) and heap trimming (M_TRIM_THRESHOLD=-1), process-wide: glibc
+    serves every large block with a fresh mmap and unmaps it on free, so a step page-faults its activations,
+    gradients and logit chunks in again every step (bench/README.md, "Freed memory kept in the process"). Returns
     whether the setting is in effect (False where the C library has no mallopt, e.g. macOS or musl)."""
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt

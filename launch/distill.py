@@ -5,10 +5,9 @@
     python -m launch.distill --teacher default --input data/fixtures/verifier_sample.jsonl --out /tmp/sft.jsonl \\
         --samples 2 --max-new-tokens 64                                          # CPU, the embedded model
 
-The input is data.verifier's judgments JSONL; each row's verifier prompt goes to the teacher K times (--samples,
-at --temperature), and the samples that pass the filters below become SFT rows for
-launch/configs/verifier_sft.yaml (then verifier_dapo.yaml), with the count per reason in OUT.report.json.
-A sample's reason (REASONS) is the first filter it fails, in this order; only "kept" samples become rows:
+Each verifier prompt goes to the teacher --samples times; the samples that pass the filters below become SFT rows
+for launch/configs/verifier_sft.yaml (then verifier_dapo.yaml). A sample's reason (REASONS, counted in
+OUT.report.json) is the first filter it fails, in this order; only "kept" samples become rows:
 
     truncated            the teacher hit its token limit (finish reason "length")
     unfinished_thinking  a thinking teacher opened <think> and never closed it
@@ -53,8 +52,6 @@ REASONS = ("kept", "truncated", "unfinished_thinking", "no_judgment", "label_out
 _MARKER_TO_BOX = re.compile(r"[\s:：*_`$]*")
 _AFTER_BOX = re.compile(r"[\s.。!*_`$)\]]*")
 _REASONING_TRAIL = " \t\r\n*_#-:"
-
-
 
 
 def split_reasoning(summary: str) -> str | None:

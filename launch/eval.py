@@ -5,10 +5,9 @@
     python -m launch.eval --model default --data dev.jsonl --out eval/base --relaxed --limit 100
     python -m launch.eval compare eval/base runs/demo/eval_sft runs/demo/eval_grpo --out table.md
 
---model: an HF model directory, a run directory (its latest complete checkpoint), "default" (the embedded
-SmolLM2-135M-Instruct) or an org/name already in the local Hugging Face cache. OUT gets metrics.json,
-predictions.jsonl (one line per row: prompt, completion, reward, parsed fields) and report.md.
-Token counts are generated tokens, the end-of-sequence token included.
+--model: a model directory, a run directory (its latest complete checkpoint), "default" (the embedded
+SmolLM2-135M-Instruct) or an org/name in the local Hugging Face cache. OUT gets metrics.json, predictions.jsonl
+(a line per row: prompt, completion, reward, parsed fields) and report.md; completion_tokens counts the eos token.
 """
 from __future__ import annotations
 
@@ -55,8 +54,7 @@ def resolve_model(spec: str) -> Path | None:
 
 
 def read_data(paths: list[str], limit: int | None) -> list[dict]:
-    """Records (file, row, index, messages, and the row's data_source, reward_model, ground_truth and extra_info)
-    of the first `limit` rows of each file, every file read and checked before anything runs."""
+    """Records of the first `limit` rows of each file, every file read and checked before anything runs."""
     records = []
     for path in paths:
         for number, row in enumerate(read_rows(path)[:limit], start=1):
@@ -158,8 +156,6 @@ def load_evaluation(directory: str | os.PathLike) -> dict:
     if not isinstance(evaluation, dict) or not isinstance(evaluation.get("metrics"), dict):
         raise ValueError(f"{path}: missing field 'metrics' (an object of per-data-source metrics)")
     return evaluation
-
-
 
 
 def run_names(directories: list[str]) -> list[str]:

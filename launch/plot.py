@@ -5,8 +5,7 @@ per model), written as PNG with matplotlib's Agg renderer (no display needed).
     python -m launch.plot runs/demo/grpo runs/demo/eval_base runs/demo/eval_grpo
 
 Each directory is a training run (metrics.jsonl, and eval.json's held-out before/after when present) or a
-`launch.eval` output (metrics.json). Writes training_curves.png and/or eval_comparison.png into --out
-(default: DIR/plots for one directory, ./plots for several).
+`launch.eval` output (metrics.json). Writes training_curves.png and/or eval_comparison.png into --out.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Every check a start makes before any model loads, in order of cost: the settings' rules (with the target's plan),
-versions, files, rows and reward names, then (tokenizer only) prompt and SFT example lengths and the checkpoint to
-resume from. `launch.train --dry-run` runs this and stops; launch/build.py runs it first, so a bad recipe fails in
-seconds and writes nothing. Checks only check: build registers the rewards and starts their workers.
+"""Every check a start makes before any model loads, in order of cost, each a ConfigError naming the key, file or
+row: the settings' rules (with the target's plan), versions, files, rows and reward names, the run directory and its
+checkpoints, then (tokenizer only) prompt and SFT example lengths. `launch.train --dry-run` runs this and stops;
+launch/build.py runs it first (and registers the rewards), so a bad recipe fails in seconds and writes nothing.
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from models.checkpoint import check_files, complete_checkpoints
 from rewards.corpus import check_index
 from rollout.vllm_engine import check_vllm_version
 
-NEEDED_TORCH = (2, 8)  # FSDP2's set_gradient_divide_factor and set_force_sum_reduction_for_comms
 # The command that makes each input the shipped recipes name (first match by path), for a missing file's message.
 MAKERS = (("runs/demo/", "make demo"),
           ("data_out/scifact/", "python -m data.scifact --input SCIFACT_DIR --out data_out/scifact"),
@@ -41,10 +40,9 @@ def _not_found(key: str, what: str, path: str) -> ConfigError:
 
 
 def check_versions(cfg: Config, torch_version: str | None = None, vllm_version: str | None = None) -> None:
-    """Refuse a torch (or, for the vLLM engine, a vLLM) older than the code needs, naming both versions.
-    The installed versions unless given."""
+    """Refuse a torch (or, for the vLLM engine, a vLLM) older than the code needs (installed versions unless given)."""
     torch_version = torch_version or torch.__version__
-    if tuple(int(part) for part in torch_version.split("+")[0].split(".")[:2]) < NEEDED_TORCH:
+    if tuple(int(part) for part in torch_version.split("+")[0].split(".")[:2]) < (2, 8):
         raise ConfigError(f"torch {torch_version} is installed; this trainer needs torch >= 2.8 (FSDP2's "
                           f"set_gradient_divide_factor / set_force_sum_reduction_for_comms): pip install 'torch>=2.8'")
     if cfg.rollout.engine != "vllm":
@@ -183,8 +181,7 @@ class Prepared:
 
 
 def prepare(cfg: Config, dist, *, rows: list[dict] | None = None, eval_rows: list[dict] | None = None) -> Prepared:
-    """Every check a start makes before the model loads (for this machine at this world size); ConfigError naming
-    the key, file or row otherwise. rows / eval_rows: given in memory instead of data.train_files / eval_files."""
+    """The checks for this machine and world size; rows / eval_rows: in memory instead of data.*_files."""
     whole = len(dist.links.trainer_ranks) + len(dist.links.rollout_ranks) if dist.links else dist.world_size
     check_plan(cfg, Target.here(whole, torchrun=dist.distributed))
     check_versions(cfg)
@@ -207,8 +204,7 @@ def prepare(cfg: Config, dist, *, rows: list[dict] | None = None, eval_rows: lis
         raise ConfigError(f"data.train_files: {len(train)} rows cannot feed world size {dist.world_size}")
     notes = startup_warnings(cfg)
     latest = _check_run_directory(cfg, Path(cfg.trainer.out_dir) / cfg.trainer.run_name, notes)
-    # A resumed run rebuilds the model from where the run started; the checkpointer (which verifies every file
-    # first) then restores the weights, so a damaged checkpoint is refused before anything is loaded.
+    # A resumed run rebuilds the model it started from; the checkpointer then verifies and restores the weights.
     source = cfg.init_from or cfg.model.name_or_path
     key = "init_from" if cfg.init_from else "model.name_or_path"
     try:

@@ -1,9 +1,7 @@
-"""The run's reward functions, built once from the `reward` section (`reward_functions`): reward.functions
-registered by path, the corpus index exported to the factqa_corpus reward, that reward with the configured triple
-extractor (a local causal LM is assembled here: rewards know no model) and window, and optionally workers.
-
-Workers (reward.num_workers) score a step's completions concurrently, started by a fork server without torch
-(forking the training process, with its threads, process group or CUDA, is not safe).
+"""The run's reward functions, built once from the `reward` section (`reward_functions`), the model a triple
+extractor needs assembled here (rewards know no model), and the optional workers (reward.num_workers) that score a
+step's completions concurrently, started by a fork server without torch (forking the training process, with its
+threads, process group or CUDA, is not safe).
 """
 from __future__ import annotations
 
@@ -101,16 +99,6 @@ class _Worker:
         self.connection.close()
 
 
-def _check_main_guard(num_workers: int) -> None:
-    """The fork server imports the main script to start workers (as the parent's __mp_main__): a script that
-    trains at import, outside `if __name__ == "__main__":`, would train again there. Refused with that advice."""
-    path = getattr(sys.modules.get("__main__"), "__file__", None)
-    if path and os.path.isfile(path) and "__main__" not in open(path, encoding="utf-8", errors="replace").read():
-        from grpo.config import ConfigError  # grpo.config imports torch, which the workers do not need
-        raise ConfigError(f"reward.num_workers={num_workers} starts worker processes that import {path} again: put "
-                          f"its training call under `if __name__ == \"__main__\":` (or set reward.num_workers=0)")
-
-
 class RewardPool:
     """reward.num_workers processes scoring (data_source, solution_str, ground_truth, extra_info) calls."""
 
@@ -124,9 +112,15 @@ class RewardPool:
 
     def start(self) -> None:
         """Start every worker (in parallel), once each data source resolves to the same function in them as here
-        (a reward registered in code only does not reach a new process); closed again when one does not."""
+        (a reward registered in code only does not reach a new process); closed again when one does not. The fork
+        server imports the main script (as __mp_main__): one that trains outside `if __name__ == "__main__":`
+        would train again there, so it is refused first."""
         from grpo.config import ConfigError  # grpo.config imports torch, which the workers do not need
-        _check_main_guard(self.reward.num_workers)
+        path = getattr(sys.modules.get("__main__"), "__file__", None)
+        if path and os.path.isfile(path) and "__main__" not in open(path, encoding="utf-8", errors="replace").read():
+            raise ConfigError(f"reward.num_workers={self.reward.num_workers} starts worker processes that import "
+                              f"{path} again: put its training call under `if __name__ == \"__main__\":` (or set "
+                              f"reward.num_workers=0)")
         try:
             theirs = self._start_missing()
             for source in self.data_sources:

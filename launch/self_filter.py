@@ -76,7 +76,6 @@ def self_filter(rows: list[dict], generate_fn: GenerateFn, judge_fn: JudgeFn, *,
         row["extra_info"] = {**(row.get("extra_info") or {}), "self_filter": {
             "correct": correct_counts[i], "samples": group_size, "anchor": i in chosen_anchors}}
         kept.append(row)
-    # correct_histogram[k] = number of questions with exactly k of G correct.
     stats = {"total": len(rows), "kept": len(kept), "in_zone": len(in_zone), "anchors": len(chosen_anchors),
              "min_correct": min_correct, "max_correct": max_correct,
              "correct_histogram": [correct_counts.count(k) for k in range(group_size + 1)]}
