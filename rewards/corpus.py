@@ -47,6 +47,8 @@ HIGH_IDS = 32_639
 LOW_IDS = MAX_SINGLE_ID - HIGH_IDS  # 32,640
 MAX_PAIR_ID = HIGH_IDS * LOW_IDS - 1  # 1,065,336,959
 TOKENS_PER_ID = {"u16": 1, "u16x2": 2}
+# The bytes that open every document in the token stream, per layout.
+SEPARATORS = {layout: np.full(n, SEPARATOR_ID, dtype=np.uint16).tobytes() for layout, n in TOKENS_PER_ID.items()}
 
 
 def choose_layout(largest_id: int, where: str = "the corpus") -> str:
@@ -70,11 +72,6 @@ def stored_tokens(ids: np.ndarray, layout: str) -> np.ndarray:
         return ids.astype(np.uint16)
     pairs = np.stack([1 + ids // LOW_IDS, HIGH_IDS + 1 + ids % LOW_IDS], axis=1)
     return pairs.reshape(-1).astype(np.uint16)
-
-
-def separator(layout: str) -> bytes:
-    """The bytes that open every document in the token stream."""
-    return np.full(TOKENS_PER_ID[layout], SEPARATOR_ID, dtype=np.uint16).tobytes()
 
 
 def _engine_safe(path: Path) -> bool:
@@ -138,7 +135,7 @@ def _write_tokens(ids_path: Path, lengths: np.ndarray, layout: str, work_dir: Pa
     """Pass 2, infini-gram's v4 layout: tokenized.0 = per document the separator then its stored tokens;
     offset.0 = the uint64 byte offset of each document. Returns the bytes of tokenized.0."""
     ids = np.memmap(ids_path, dtype=np.uint32, mode="r") if lengths.sum() else np.zeros(0, dtype=np.uint32)
-    opening, data_bytes, start = separator(layout), 0, 0
+    opening, data_bytes, start = SEPARATORS[layout], 0, 0
     with open(work_dir / "tokenized.0", "wb") as data, open(work_dir / "offset.0", "wb") as offsets:
         for length in lengths:
             offsets.write(np.uint64(data_bytes).tobytes())
@@ -231,7 +228,7 @@ def check_index(path: Path) -> dict:
             raise ValueError("offset.0 is not increasing document starts")
         data = np.memmap(path / "tokenized.0", dtype=np.uint8, mode="r")
         sample = np.linspace(0, documents - 1, num=min(documents, 1024)).astype(np.int64)
-        opening = separator(meta["layout"])
+        opening = SEPARATORS[meta["layout"]]
         if not all(bytes(data[offsets[index]:offsets[index] + len(opening)]) == opening for index in sample):
             raise ValueError("offset.0 does not point at document separators in tokenized.0")
         table = np.memmap(path / "table.0", dtype=np.uint8, mode="r").reshape(tokens, pointer_bytes)
@@ -253,9 +250,8 @@ def check_index(path: Path) -> dict:
 
 class CorpusIndex(CooccurrenceCounter):
     """Co-occurrence counts (rewards.cooccurrence) on a built index, positions in ids whatever the layout.
-    encode_fn: required for an index built with one, checked against its stored fingerprint. max_clause_freq
-    (the engine's default): a phrase with more occurrences is subsampled and its count scaled back, as the
-    engine's own counts are."""
+    encode_fn: required for an index built with one, checked against its stored fingerprint. A phrase with more
+    than max_clause_freq occurrences (the engine's default) is subsampled and its count scaled back, as the engine's."""
 
     def __init__(self, path: str | os.PathLike, *, encode_fn: Callable[[str], list[int]] | None = None,
                  max_clause_freq: int = 50_000, cache_positions: int = 4_000_000, semantics: str = "engine") -> None:

@@ -83,10 +83,7 @@ def judge_answer(answer: str | None, aliases: list[str]) -> float:
     if not prediction or prediction in REFUSALS or prediction.startswith(_REFUSAL_PREFIXES):
         return JUDGE_WRONG
     padded = f" {prediction} "
-    for alias in aliases:
-        if f" {alias} " in padded or padded in f" {alias} ":
-            return JUDGE_CORRECT
-    return JUDGE_WRONG
+    return JUDGE_CORRECT if any(f" {alias} " in padded or padded in f" {alias} " for alias in aliases) else JUDGE_WRONG
 
 
 def judge(solution_str: str, ground_truth: object) -> float:

@@ -36,11 +36,10 @@ def verifier_prompt(question: str, reference: str, candidate: str, template: str
     """The template (default: the shipped one) with the three fields filled in one regex pass: not str.format,
     since templates hold literal braces (`\\boxed{X}`), and a field's own "{reference}" is never substituted."""
     template = verifier_template() if template is None else template
-    missing = ", ".join(f"{{{name}}}" for name in ("question", "reference", "candidate")
-                        if f"{{{name}}}" not in template)
+    values = {"question": question, "reference": reference, "candidate": candidate}
+    missing = ", ".join(f"{{{name}}}" for name in values if f"{{{name}}}" not in template)
     if missing:
         raise ValueError(f"verifier template lacks the placeholder(s) {missing}")
-    values = {"question": question, "reference": reference, "candidate": candidate}
     return _PLACEHOLDER.sub(lambda match: values[match.group(1)], template)
 
 
