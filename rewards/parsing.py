@@ -43,9 +43,8 @@ def token_bag(text: str) -> TokenBag:
 
 
 def bag_f1(prediction: TokenBag, gold: TokenBag) -> float:
-    """Token F1 = 2*shared / (len(prediction) + len(gold)) = 2PR/(P+R). shared (the sum over common tokens of
-    the smaller count) is len(common) plus a correction for tokens repeated on both sides, so the usual case
-    is a set intersection done in C."""
+    """Token F1 = 2*shared / (len(prediction) + len(gold)) = 2PR/(P+R), shared = the sum over common tokens of
+    the smaller count: len(common), corrected for tokens repeated on both sides (usually a set intersection in C)."""
     common = prediction.counts.keys() & gold.counts.keys()
     if not common:  # also when either side is empty
         return 0.0

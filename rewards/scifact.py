@@ -28,17 +28,10 @@ _ITEM_NUMBER = re.compile(r"^\[\d+\]\s*")
 _ITEM_BULLET = re.compile(r"^[-*]\s+")
 
 
-def _label(text: str) -> str:
-    label = normalize_text(text).upper().replace(" ", "_")
-    return LABEL_ALIASES.get(label, label)
-
-
-_cached_label = functools.lru_cache(maxsize=4096)(_label)
-
-
 def normalize_label(text: str) -> str:
     """normalize_text, upper-case, spaces to `_`, then LABEL_ALIASES; an unknown label is returned as is."""
-    return _cached_label(text) if len(text) <= 64 else _label(text)  # cache the few short labels, not junk
+    label = normalize_text(text).upper().replace(" ", "_")
+    return LABEL_ALIASES.get(label, label)
 
 
 def gold_label(answer: str) -> str:

@@ -51,8 +51,7 @@ def content_words(phrase: str) -> list[str]:
 def query_words(triple: Triple) -> tuple[list[str], list[str]] | None:
     """(head words, tail words) to count, or None when a side is empty: every content word (the corpus paper
     ANDs all content words of subject and object), duplicates removed case-insensitively, also across sides (a
-    tail repeating the head would count the head alone): (Marie Curie, won, the Nobel Prize) counts ["Marie",
-    "Curie"] with ["Nobel", "Prize"]."""
+    tail repeating the head would count the head alone)."""
     head: list[str] = []
     tail: list[str] = []
     taken: set[str] = set()
@@ -93,8 +92,7 @@ def _pick(words: list[str], joined: list[bool], *, last: bool) -> list[str]:
 class RuleTripleExtractor:
     """The relation is the first verb-like word after the first word; the head is the last name (capitalised or
     numeric run) before it, else its last content words; the tail the first name after it, else its first
-    content words. A pronoun subject or object rejects the sentence: "In 1903, Marie Curie won the Nobel Prize
-    in Physics." gives (Marie Curie, won, Nobel Prize), "She won the Nobel Prize." nothing."""
+    content words. A pronoun subject or object rejects the sentence."""
 
     def extract(self, sentence: str) -> Triple | None:
         text = sentence[:_MAX_SENTENCE_CHARS]
