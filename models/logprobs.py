@@ -62,9 +62,7 @@ def prompt_groups(input_ids: Tensor, attention_mask: Tensor, prompt_len: int) ->
     first = torch.full((int(inverse.max()) + 1,), len(prompts), device=prompts.device).scatter_reduce(
         0, inverse, rows, reduce="amin")
     order = first.argsort()  # number prompts by first appearance, so rows keep their order
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(len(order), device=order.device)
-    return first[order], rank[inverse]
+    return first[order], order.argsort()[inverse]  # argsort of a permutation: its inverse
 
 
 @dataclass(frozen=True)

