@@ -44,9 +44,8 @@ def prefix_label(text: str) -> str | None:
 
 def scifact_example(completion: str, ground_truth: object, *, relaxed: bool = False) -> dict:
     """Per-example SciFact fields. The label is the `<answer>` block's when it is one of LABELS after aliasing,
-    else None (relaxed: then prefix_label, recorded in any case). evidence_f1 is the reward's evidence
-    component; evidence_matched counts exact matches (normalize_text equal, each gold sentence once);
-    unsupported: a SUPPORTS/REFUTES label with evidence_f1 below the reward's cap threshold (ungrounded)."""
+    else None (relaxed: then prefix_label, recorded in any case); evidence_matched counts exact matches
+    (normalize_text equal, each gold sentence once); unsupported: SUPPORTS/REFUTES without grounded evidence."""
     gold_text, gold_evidence, gold_bags = parse_ground_truth(ground_truth)
     gold = gold_label(gold_text)
     answer, items, format_score, _ = completion_parts(completion)
@@ -159,8 +158,7 @@ TASK_METRICS = {SCIFACT: scifact_metrics, FACTQA: factqa_metrics, VERIFIER: veri
 
 def summarize(scored: Iterable[dict]) -> dict[str, dict]:
     """{data_source: metrics} over records with score_example's fields, in order of first appearance: count, the
-    task metrics, then reward_mean / truncation_rate / completion_tokens_mean where every record has a reward /
-    finish_reason / completion_tokens."""
+    task metrics, then the means of the fields every record has (reward, finish_reason, completion_tokens)."""
     groups: dict[str, list[dict]] = {}
     for record in scored:
         groups.setdefault(record["data_source"], []).append(record)

@@ -58,8 +58,7 @@ def table(rows: list[tuple[str, dict, str | None, dict | None]]) -> str:
 
 def curves(arms: list[tuple[str, Path, int, dict, dict]], path: Path) -> None:
     """One figure of held-out reward and accuracy (95% bands) and training reward over steps. arms: (name, run
-    directory, step offset on the shared axis, held-out result at the arm's start, at its end), the start and
-    end added to the held-out points the arm logged."""
+    directory, step offset on the shared axis, held-out results at the arm's start and end, added if not logged)."""
     runs = {}
     for name, run_dir, offset, start, end in arms:
         records = read_metrics(run_dir / "metrics.jsonl")

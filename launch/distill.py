@@ -160,8 +160,8 @@ def distill_example(row: dict, samples: Sequence[tuple[str, str]], report: Disti
 
 
 def write_distilled(rows: list[dict], out: str | Path, report: DistillReport) -> Path:
-    """Write the report beside `out` (sft.jsonl -> sft.report.json), then the rows (none: ValueError, `out`
-    unwritten); returns the report's path."""
+    """Write the report beside `out` (sft.jsonl -> sft.report.json), then the rows (none: ValueError); returns
+    the report's path."""
     path = Path(out).with_suffix(".report.json")
     atomic_write_text(path, json.dumps(report.as_dict(), indent=1) + "\n")
     if not rows:

@@ -5,7 +5,6 @@
 A question the model always gets right (or never) gives a GRPO group with equal rewards and no gradient, so a
 question is kept when k of G sampled answers are judged correct, `min_correct <= k <= max_correct` (default 1
 and G-1). Optional "anchors" add back a few always-correct questions, reported to stabilise 3B/4B training.
-The rule reaches the model only through `generate_fn`; the command samples with launch.eval's engine.
 """
 from __future__ import annotations
 
@@ -87,8 +86,7 @@ def _size(value) -> str:
 
 
 def load_judge(spec: str | None) -> JudgeFn:
-    """The judge named `module:function`: correct when it returns True or a number > 0 (a reward-style judge
-    scores +2 correct, -1 otherwise)."""
+    """The judge named `module:function`: correct when it returns True or a number > 0 (rewards.factqa.judge)."""
     if not spec:
         raise ValueError("no judge given: pass --judge module:function, a function (completion_text, ground_truth) "
                          "-> bool such as the factual-QA string-match judge of the rewards package")
@@ -110,8 +108,8 @@ def load_judge(spec: str | None) -> JudgeFn:
 
 
 def engine_generate_fn(engine, *, max_new_tokens: int, temperature: float, top_p: float, seed: int) -> GenerateFn:
-    """A generate_fn on an engine (launch.eval's) for prompts of token ids (render with models.render_prompt: the
-    model's own chat template), each call with the next seed (one seed for every batch would correlate them)."""
+    """A generate_fn on an engine for prompts of token ids (models.render_prompt), each call with the next seed
+    (one seed for every batch would correlate them)."""
     seeds = itertools.count(seed)
 
     def generate(prompts: list[list[int]], n: int) -> list[list[str]]:
@@ -142,7 +140,6 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     rows = read_rows(args.input)
-    # Settings and judge are checked before the model loads, so a typo fails in a second, not after a minute.
     check_settings(args.group_size, args.min_correct, args.max_correct, args.anchors, args.batch_size)
     judge_fn = load_judge(args.judge)
     engine, tokenizer, _ = engine_from_args(args, resolve_model(args.model))
