@@ -183,8 +183,9 @@ class RolloutConfig(Section):
     """Seconds a weight sync may take; past it the rank ends naming the phase, step and rank (exit code 124)."""
     vllm_kv_cache_mb: int = bounded(256, 1)
     """vLLM's KV cache on CPU (kv_cache_memory_bytes); on GPUs vllm_gpu_memory_utilization sizes it."""
-    vllm_gpu_memory_utilization: float = bounded(0.4, 0, 1, low_open=True)
-    """Fraction of GPU memory vLLM may take."""
+    vllm_gpu_memory_utilization: float | None = bounded(None, 0, 1, low_open=True)
+    """Fraction of GPU memory vLLM may take; null: 0.4 beside a trainer (colocated), 0.85 on a rollout rank's own
+    GPU (placement=separate)."""
     max_model_len: int | None = bounded(None, 1)
     """vLLM's context; null: data.max_prompt_tokens plus the longest completion the run asks for."""
     enforce_eager: bool | None = None
@@ -303,8 +304,10 @@ class TrainerConfig(Section):
     """A fresh run in a directory holding an earlier run's checkpoints removes them first (false: refused)."""
     collective_timeout_s: float = bounded(1800.0, 0, low_open=True)
     """Seconds a collective may wait for the other ranks before the run fails naming phase, step and rank."""
-    nccl_blocking_wait: bool = True
-    """NCCL only: a timed-out collective raises in the calling thread (TORCH_NCCL_BLOCKING_WAIT=1)."""
+    nccl_blocking_wait: bool = False
+    """NCCL only: a timed-out collective raises in the calling thread, naming phase, step and rank, but every
+    collective then spins the CPU until it ends (TORCH_NCCL_BLOCKING_WAIT=1), so FSDP2's prefetches stop overlapping
+    compute. Off: NCCL's watchdog ends the rank after collective_timeout_s, naming the collective and the rank."""
     out_dir: str = "runs"
     """Parent of run directories."""
     run_name: str = "run"

@@ -19,7 +19,7 @@ from grpo.trainer import Parts, Policy, deadline, train_rl, train_sft
 from grpo.update import lr_factor
 from launch.checkpointing import Checkpointer
 from launch.dist import DistInfo, keep_freed_memory
-from launch.plan import Target, attention, own_engine_copy, precision, vllm_arguments
+from launch.plan import Target, attention, describe_batch, own_engine_copy, precision, step_batch, vllm_arguments
 from launch.preflight import Prepared, prepare
 from launch.reward_pool import reward_functions
 from launch.runlog import RunLog, jsonable
@@ -36,8 +36,7 @@ from rollout.vllm_engine import VLLMEngine
 
 @dataclass(frozen=True)
 class Run:
-    """A built run: the loop this rank runs on its parts, and what launch.train needs around it. An engine rank
-    of a separate placement runs launch.separate.serve on its LocalRollout; every other rank a training loop."""
+    """A built run: the loop this rank runs on its parts, and what launch.train needs around it."""
     loop: Callable  # grpo.trainer.train_rl / train_sft (Parts, dist), or launch.separate.serve (LocalRollout, dist)
     parts: Parts | LocalRollout
     finish: Callable[[Run, object, int], dict]  # (run, the loop's result, the agreed stop signal) -> the summary
@@ -211,6 +210,8 @@ def _training(cfg: Config, dist: DistInfo, prepared: Prepared, run_dir: Path, sc
         log.warn(warning)
     if prepared.latest is not None:
         log.info(f"resumed from {prepared.latest} (step {start} of {cfg.trainer.steps})")
+    if cfg.stage == "rl":  # the separate placement's trainers are its data-parallel shares
+        log.info(describe_batch(step_batch(cfg, dist.dp_size)))
     tokenizer = prepared.tokenizer
     parts = Parts(cfg=cfg, policy=policy, rollout=rollout, log=log, checkpoints=checkpoints,
                   pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
@@ -247,5 +248,4 @@ def _finish_training(run: Run, result: dict, stop_signal: int) -> dict:
 def _finish_serving(run: Run, stopped_by: int, stop_signal: int) -> dict:
     """After an engine rank's serve: its engine closed; stopped with the trainers' signal, or ended (0)."""
     run.parts.close()
-    return {"run_dir": str(run.run_dir), "rollout_rank": True,
-            **({"interrupted": True, "signal": stopped_by} if stopped_by else {})}
+    return {"run_dir": str(run.run_dir), "rollout_rank": True, "signal": stopped_by}

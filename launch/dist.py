@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import datetime
+import faulthandler
 import logging
 import os
 import sys
@@ -20,6 +21,7 @@ import torch.distributed as torch_dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from grpo.config import Config, check_placement
+from launch.plan import Target, process_groups
 from models import fsdp
 
 
@@ -120,9 +122,11 @@ def init_distributed(cfg: Config | None = None) -> DistInfo:
         backend, options = "gloo", {}  # gloo's collectives raise in the caller when they time out
         if cuda:
             # device_id creates the communicator at once, on this rank's GPU. NCCL's collectives are asynchronous:
-            # a timed-out one is found by its watchdog thread, which ends the process without our named error
-            # (phase, step, rank); blocking wait raises in the calling thread instead. A user's setting is kept.
+            # a timed-out one is found by its watchdog thread, which aborts the process naming the collective and
+            # the rank; faulthandler then prints every thread's stack (the phase). Blocking wait (opt-in) raises
+            # our named error in the calling thread instead. A user's setting is kept.
             backend, options = "nccl", {"device_id": device}
+            faulthandler.enable(all_threads=True)
             if cfg.trainer.nccl_blocking_wait:
                 os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -141,20 +145,19 @@ def init_distributed(cfg: Config | None = None) -> DistInfo:
                         all_reduce_sum=all_reduce(torch_dist.ReduceOp.SUM),
                         all_reduce_max=all_reduce(torch_dist.ReduceOp.MAX))
     # Every rank creates every group, in the same order; each role gets its ranks, collectives and (trainers) mesh.
-    trainers = tuple(range(world_size - cfg.rollout.num_ranks))
-    engines = tuple(range(len(trainers), world_size))
-    trainer_group = torch_dist.new_group(list(trainers), timeout=timeout)
-    rollout_group = torch_dist.new_group(list(engines), backend="gloo", timeout=timeout)
-    link = torch_dist.new_group(list(range(world_size)), backend="gloo", timeout=timeout)
-    weights = torch_dist.new_group([trainers[0], *engines], timeout=timeout)
+    specs = process_groups(cfg, Target(device.type, world_size, torchrun=True))
+    groups = {name: torch_dist.new_group(spec["ranks"], backend=spec["backend"], timeout=timeout)
+              for name, spec in specs.items() if name != "world"}
+    trainers, engines = tuple(specs["trainers"]["ranks"]), tuple(specs["engines"]["ranks"])
     training = rank in trainers
-    ranks, group = (trainers, trainer_group) if training else (engines, rollout_group)
+    ranks, group = (trainers, groups["trainers"]) if training else (engines, groups["engines"])
     fsdp.use_group(group)
     return DistInfo(rank=rank - ranks[0], world_size=len(ranks), device=device,
                     mesh=DeviceMesh.from_group(group, device.type) if training else None,  # the trainers shard
                     all_reduce_sum=all_reduce(torch_dist.ReduceOp.SUM, group),
                     all_reduce_max=all_reduce(torch_dist.ReduceOp.MAX, group), global_rank=rank,
-                    role="trainer" if training else "rollout", links=Links(trainers, engines, link, weights))
+                    role="trainer" if training else "rollout",
+                    links=Links(trainers, engines, groups["link"], groups["weights"]))
 
 
 def under_torchrun() -> bool:

@@ -12,7 +12,7 @@ import torch
 
 from grpo.config import Config, ConfigError, check
 from models.loading import choose_attention
-from rollout.vllm_engine import SLEEP_LEVEL, WORKER_EXTENSION
+from rollout.vllm_engine import SLEEP_LEVEL, WORKER_EXTENSION, visible_device
 
 # vLLM's engine calls for one RL step, colocated on GPUs (vLLM's documented order for weight updates): level 2
 # sleep drops weights and KV cache (the sync overwrites every weight, so nothing is copied to host and back);
@@ -97,7 +97,8 @@ def vllm_arguments(cfg: Config, target: Target, model_path: str = "<model direct
     elif target.sharded:  # a process group exists: vLLM joins it instead of making a world of its own
         arguments["distributed_executor_backend"] = "external_launcher"
     if cuda:
-        arguments["gpu_memory_utilization"] = cfg.rollout.vllm_gpu_memory_utilization
+        utilization = cfg.rollout.vllm_gpu_memory_utilization
+        arguments["gpu_memory_utilization"] = utilization or (0.85 if cfg.rollout.placement == "separate" else 0.4)
     else:
         arguments["kv_cache_memory_bytes"] = cfg.rollout.vllm_kv_cache_mb << 20
     return arguments
@@ -154,6 +155,54 @@ def placement(cfg: Config, target: Target) -> dict:
             "max_staleness": cfg.algorithm.max_staleness if separate else 0}
 
 
+def step_batch(cfg: Config, shares: int) -> dict:
+    """An RL step's batch over the whole world: trainer.prompts_per_step is per data-parallel share (a trainer rank,
+    or a tensor-parallel group, which draws one share), so the global batch grows with the world size."""
+    prompts = cfg.trainer.prompts_per_step * shares
+    return {"prompts_per_share": cfg.trainer.prompts_per_step, "shares": shares, "prompts": prompts,
+            "completions": prompts * cfg.rollout.n}
+
+
+def describe_batch(batch: dict) -> str:
+    """step_batch's figures as the line a start prints."""
+    return (f"a step trains {batch['prompts']} prompts x {batch['completions'] // batch['prompts']} completions over "
+            f"all ranks (trainer.prompts_per_step={batch['prompts_per_share']} per data-parallel share x "
+            f"{batch['shares']} shares)")
+
+
+def process_groups(cfg: Config, target: Target) -> dict[str, dict]:
+    """The process groups of a torchrun world in the order every rank creates them (launch.dist), each with its
+    ranks and backend; every group waits at most trainer.collective_timeout_s. Colocated: the world. Separate: the
+    trainers (FSDP2), the engine ranks, `link` (every rank: batches and held-out results, pickled objects) and
+    `weights` (trainer 0 and the engine ranks: the weight broadcast, on the device's backend)."""
+    device_backend = "nccl" if target.device == "cuda" else "gloo"
+    world = list(range(target.world_size))
+    if cfg.stage != "rl" or cfg.rollout.placement != "separate":
+        return {"world": {"ranks": world, "backend": device_backend}}
+    trainers, engines = placement(cfg, target)["trainer_ranks"], placement(cfg, target)["rollout_ranks"]
+    return {"world": {"ranks": world, "backend": device_backend},
+            "trainers": {"ranks": trainers, "backend": device_backend},
+            "engines": {"ranks": engines, "backend": "gloo"},
+            "link": {"ranks": world, "backend": "gloo"},
+            "weights": {"ranks": [trainers[0], *engines], "backend": device_backend}}
+
+
+def collectives(cfg: Config, target: Target) -> dict | None:
+    """What a torchrun world's collectives wait and how (None for one process)."""
+    if not target.sharded:
+        return None
+    return {"timeout_s": cfg.trainer.collective_timeout_s, "groups": process_groups(cfg, target),
+            "nccl_blocking_wait": cfg.trainer.nccl_blocking_wait if target.device == "cuda" else None}
+
+
+def rollout_devices(cfg: Config, target: Target) -> dict[str, str] | None:
+    """Which GPU each rollout rank's engine binds on one node (separate placement on CUDA), as CUDA_VISIBLE_DEVICES
+    of its engine-core process: the rank's own, never the trainers' first GPU."""
+    if target.device != "cuda" or cfg.stage != "rl" or cfg.rollout.placement != "separate":
+        return None
+    return {str(rank): visible_device(rank, None) for rank in placement(cfg, target)["rollout_ranks"]}
+
+
 def run_plan(cfg: Config, target: Target, model_path: str = "<model directory>") -> dict:
     """The whole plan as one JSON-able object (what --dry-run prints); checked first (check_plan)."""
     check_plan(cfg, target)
@@ -162,7 +211,12 @@ def run_plan(cfg: Config, target: Target, model_path: str = "<model directory>")
             "precision": precision(cfg, target), "attention": attention(cfg, target),
             "logprob_pass": logprob_pass(cfg, target), "engine": cfg.rollout.engine,
             "engine_cycle": engine_cycle(cfg, target), "tp_groups": tp_groups(target.world_size, cfg.rollout.tp_size),
-            "placement": placement(cfg, target), "vllm": None}
+            "placement": placement(cfg, target), "batch": None,
+            "collectives": collectives(cfg, target), "rollout_devices": rollout_devices(cfg, target), "vllm": None}
+    if cfg.stage == "rl":
+        trainers = len(plan["placement"]["trainer_ranks"])  # a separate placement's trainers: one share each
+        shares = trainers if cfg.rollout.placement == "separate" else trainers // cfg.rollout.tp_size
+        plan["batch"] = step_batch(cfg, shares)
     if cfg.rollout.engine == "vllm":
         plan["vllm"] = vllm_arguments(cfg, target, model_path)
     return plan

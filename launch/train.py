@@ -30,7 +30,7 @@ from grpo.config import Config, ConfigError, startup_warnings
 from grpo.trainer import StepFailed
 from launch.build import build, build_scorer
 from launch.dist import CollectiveFailed, DistInfo, exit_rank, init_distributed, shutdown
-from launch.plan import Target, check_plan, run_plan
+from launch.plan import Target, check_plan, describe_batch, run_plan
 from launch.preflight import prepare
 from launch.recipe import load_config
 from models import resolve_model_dir
@@ -116,13 +116,10 @@ def describe_failure(error: BaseException, *, rank: int, step: int | None, colle
     return f"{phase} failed {where} on rank {rank}: {text}" + (f" ({hints[0]})" if hints else "")
 
 
-def run(cfg: Config, dist: DistInfo, *, resume: bool = False, rows: list[dict] | None = None,
-        eval_rows: list[dict] | None = None) -> dict:
+def run(cfg: Config, dist: DistInfo, *, rows: list[dict] | None = None, eval_rows: list[dict] | None = None) -> dict:
     """Build, score the held-out rows before, train, score after. Returns {"run_dir", "before", "after"} (the
     held-out results: count, means with 95% intervals, per-prompt values), or "interrupted" (steps done) and
     "signal" (the stop signal's number). A failure after start-up raises RunFailed naming phase, step and rank."""
-    if resume:  # the --resume flag: trainer.resume=always
-        cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume="always"))
     dist = dataclasses.replace(dist, tp_size=cfg.rollout.tp_size)  # which ranks share one engine replica
     with interrupt_requests(announce=dist.is_main) as request:
         def stop() -> bool:
@@ -167,12 +164,13 @@ def _dry_run(cfg: Config, dist: DistInfo, args: argparse.Namespace) -> None:
     else:
         check_plan(cfg, target)
         warnings, summary = startup_warnings(cfg), f"ok: settings checked for {target.device} x {target.world_size}"
+    plan = run_plan(cfg, target, model)
     if dist.is_main:
         print(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
         for warning in warnings:
             print(f"WARNING: {warning}", file=sys.stderr)
-        print(summary)
-        print(json.dumps(run_plan(cfg, target, model)))
+        print(summary + (f"; {describe_batch(plan['batch'])}" if plan["batch"] else ""))
+        print(json.dumps(plan))
 
 
 def main(argv=None) -> int:
@@ -188,7 +186,7 @@ def main(argv=None) -> int:
             return 0
         summary = run(cfg, dist)
         if summary.get("rollout_rank"):
-            return 128 + summary["signal"] if summary.get("interrupted") else 0
+            return 128 + summary["signal"] if summary["signal"] else 0
         if "interrupted" in summary:
             name = signal.Signals(summary["signal"]).name
             written = (f"checkpoint written under {summary['run_dir']}/checkpoints (continue with --resume or "

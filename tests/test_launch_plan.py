@@ -31,6 +31,8 @@ def _targets(cfg):
         out.append((f"cuda:{world}", Target("cuda", world, True), []))
     if cfg.rollout.engine == "vllm":
         out += [(f"cuda:{world}:tp2", Target("cuda", world, True), ["rollout.tensor_parallel_size=2"]) for world in (2, 8)]
+        separate = ["rollout.placement=separate", "rollout.num_ranks=2"]
+        out.append(("cuda:8:separate2", Target("cuda", 8, True), separate))
     return out
 
 
@@ -140,6 +142,8 @@ def test_dry_run_prints_the_plan_for_a_target_as_the_last_line(capsys):
     assert plan == run_plan(load_config(recipe), Target("cuda", 8, True), "Qwen/Qwen3-4B-Thinking-2507")
     assert set(plan) >= {"vllm", "precision", "attention", "engine_cycle", "tp_groups"}
     assert plan["vllm"]["model"] == "Qwen/Qwen3-4B-Thinking-2507" and len(plan["tp_groups"]) == 8
+    assert out[-2].endswith("; a step trains 8 prompts x 4 completions over all ranks "
+                            "(trainer.prompts_per_step=1 per data-parallel share x 8 shares)")
     assert main(["--config", recipe, "--dry-run", "--device", "cuda", "--world-size", "3",
                  "rollout.tensor_parallel_size=2"]) == 2
     assert "rollout.tensor_parallel_size=2 does not divide the world size 3" in capsys.readouterr().err
@@ -213,3 +217,64 @@ def test_a_separate_placement_is_planned_with_its_own_vllm_world():
     # and the weights arrive through the worker extension.
     assert "distributed_executor_backend" not in plan["vllm"]
     assert plan["vllm"]["worker_extension_cls"] == "rollout.vllm_engine.WeightReload"
+
+
+def test_separate_rollout_ranks_get_gpus_groups_and_memory_of_their_own():
+    """Issue 32, findings 1, 4, 5: on 8 GPUs with 2 rollout ranks, the engines bind GPUs 6 and 7 (vLLM's engine
+    core takes the first visible device, so each sees only its own) with a utilisation for a GPU of their own;
+    every process group waits collective_timeout_s; NCCL runs without blocking wait unless asked."""
+    from rollout.vllm_engine import visible_device
+    cfg = load_config(CONFIGS / "veriseek_grpo.yaml", ["rollout.placement=separate", "rollout.num_ranks=2",
+                                                        "rollout.vllm_gpu_memory_utilization=null"])
+    plan = run_plan(cfg, Target("cuda", 8, True))
+    assert plan["rollout_devices"] == {"6": "6", "7": "7"} and plan["vllm"]["gpu_memory_utilization"] == 0.85
+    colocated = run_plan(load_config(None, ["rollout.engine=vllm"]), Target("cuda", 8, True))
+    assert colocated["vllm"]["gpu_memory_utilization"] == 0.4 and colocated["rollout_devices"] is None
+    assert visible_device(1, "2,3,4,5") == "3" and visible_device(7, None) == "7"
+    with pytest.raises(ValueError, match=r"local rank 4 has no GPU among CUDA_VISIBLE_DEVICES='2,3,4,5'"):
+        visible_device(4, "2,3,4,5")
+    collectives = plan["collectives"]
+    assert collectives["timeout_s"] == cfg.trainer.collective_timeout_s and collectives["nccl_blocking_wait"] is False
+    assert collectives["groups"] == {"world": {"ranks": list(range(8)), "backend": "nccl"},
+                                     "trainers": {"ranks": [0, 1, 2, 3, 4, 5], "backend": "nccl"},
+                                     "engines": {"ranks": [6, 7], "backend": "gloo"},
+                                     "link": {"ranks": list(range(8)), "backend": "gloo"},
+                                     "weights": {"ranks": [0, 6, 7], "backend": "nccl"}}
+    assert run_plan(load_config(None, []), Target("cpu", 1))["collectives"] is None
+
+
+def test_the_plan_prints_the_global_batch():
+    """trainer.prompts_per_step is per data-parallel share: the veriseek recipe, sized as the paper's 2 prompts per
+    step at 2 ranks, trains 8 at 8 ranks."""
+    cfg = load_config(CONFIGS / "veriseek_grpo.yaml")
+    assert run_plan(cfg, Target("cuda", 8, True))["batch"] == {"prompts_per_share": 1, "shares": 8, "prompts": 8,
+                                                               "completions": 32}
+    tp = load_config(CONFIGS / "veriseek_grpo.yaml", ["rollout.tensor_parallel_size=2"])
+    assert run_plan(tp, Target("cuda", 8, True))["batch"]["prompts"] == 4  # a TP pair draws one share
+    separate = load_config(CONFIGS / "veriseek_grpo.yaml", ["rollout.placement=separate", "rollout.num_ranks=2"])
+    assert run_plan(separate, Target("cuda", 8, True))["batch"]["prompts"] == 6  # the 6 trainers' shares
+    assert run_plan(load_config(CONFIGS / "veriseek_sft.yaml"), Target("cuda", 8, True))["batch"] is None
+
+
+def test_every_process_group_gets_the_collective_timeout(monkeypatch):
+    """launch.dist creates the groups the plan names, each with trainer.collective_timeout_s (NCCL's default would
+    be 10 minutes, shorter than an 8B model's start-up on the rollout ranks): a 4-rank separate world, seen from
+    rank 3, with torch.distributed's calls recorded instead of made."""
+    import datetime
+
+    import launch.dist as dist_module
+    calls = []
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setattr(dist_module.torch_dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist_module.torch_dist, "init_process_group",
+                        lambda backend, timeout, **options: calls.append(("world", backend, timeout)))
+    monkeypatch.setattr(dist_module.torch_dist, "get_rank", lambda: 3)
+    monkeypatch.setattr(dist_module.torch_dist, "new_group", lambda ranks, backend, timeout: calls.append(
+        (tuple(ranks), backend, timeout)) or f"group{len(calls)}")
+    monkeypatch.setattr(dist_module.fsdp, "use_group", lambda group: None)
+    cfg = load_config(None, ["rollout.placement=separate", "rollout.num_ranks=1", "trainer.collective_timeout_s=7"])
+    info = dist_module.init_distributed(cfg)
+    seven = datetime.timedelta(seconds=7)
+    assert calls == [("world", "gloo", seven), ((0, 1, 2), "gloo", seven), ((3,), "gloo", seven),
+                     ((0, 1, 2, 3), "gloo", seven), ((0, 3), "gloo", seven)]
+    assert info.role == "rollout" and info.links.trainer_ranks == (0, 1, 2) and info.links.weights == "group5"
