@@ -38,8 +38,7 @@ DEFAULT_BATCH_SIZE = 16
 
 
 def resolve_model(spec: str) -> Path | None:
-    """None for "default"; a run directory's latest complete checkpoint; anything else (a model directory, a .gguf
-    file, an org/name in the local HF cache) through models.resolve_model_dir, as training resolves its model."""
+    """--model as a path: None for "default", a run's latest complete checkpoint, else resolve_model_dir's."""
     if spec == "default":
         return None
     path = Path(spec).expanduser()
@@ -168,8 +167,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """--engine, --device, --dtype, --max-model-len, read by engine_from_args (eval, distill, self_filter)."""
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu (hf engine)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                        help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--max-model-len", type=int, default=4096, help="vllm: prompt + completion tokens")
 
 
@@ -182,8 +180,7 @@ def check_positive(args: argparse.Namespace, *names: str) -> None:
 
 
 def engine_from_args(args: argparse.Namespace, model_dir: Path | None) -> tuple[object, object, str]:
-    """(engine, tokenizer, dtype) for add_engine_arguments' options, defaults filled in for this machine: the
-    factory training uses (launch.build.build_engine), the tokenizer from the same directory as the weights."""
+    """(engine, tokenizer, dtype) for add_engine_arguments' options, from training's factory (build_engine)."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     tokenizer = load_tokenizer(model_dir)
