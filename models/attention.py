@@ -1,6 +1,5 @@
-"""Attention functions of our own for the logprob passes, reached through transformers' registered ones:
-`install_dispatch` wraps those, and a call that carries one of our keyword arguments (a model forwards them to
-every attention layer, also when gradient checkpointing recomputes one) runs ours.
+"""Attention functions of our own for the logprob passes, run in place of transformers' registered ones for a
+call that carries one of our keyword arguments (`install_dispatch`; a model forwards them to every layer).
 
 - native_gqa=True: transformers' sdpa, except that grouped-query attention is left to torch's kernel
   (`enable_gqa=True`) instead of copying each key/value head `num_key_value_groups` times (`repeat_kv`, which
@@ -104,13 +103,10 @@ def _dispatching(original):
 
 
 def install_dispatch() -> None:
-    """Wrap the registered attention functions of PACKABLE_IMPLEMENTATIONS (once per process).
-
-    Why a wrapper under the model's own implementation name rather than switching the model to another one for
-    the call: under gradient checkpointing the layers are recomputed during backward, after any switch is undone,
-    and must compute as they did. The checkpoint replays each layer's keyword arguments, so a call carrying ours
-    runs the same function wherever it runs; every other call reaches the original.
-    """
+    """Wrap the registered attention functions of PACKABLE_IMPLEMENTATIONS (once per process). A wrapper under the
+    model's own implementation name, not a switch to another one for the call: gradient checkpointing recomputes
+    the layers during backward, after any switch is undone, but replays their keyword arguments, so a call carrying
+    ours runs the same function wherever it runs; every other call reaches the original."""
     for name in PACKABLE_IMPLEMENTATIONS:
         function = AttentionInterface._global_mapping.get(name)
         if function is not None and not hasattr(function, "packed_dispatch_of"):

@@ -53,9 +53,8 @@ def micro_batches_by_tokens(lengths: Sequence[int], max_tokens: int, *, min_coun
     as the budget allows, the tokens spread evenly over them; returns lists of sequence indices, each ascending,
     ordered by their first index. min_count: the least number of micro-batches (the largest count any rank needs:
     FSDP's collectives pair up across ranks); the extra ones are empty lists, run as zero-weight passes.
-    How: k starts at max(ceil(total / max_tokens), min_count); sequences in decreasing length go to the least
-    loaded micro-batch that still has room (longest-processing-time first, ties to the lower one, so the plan
-    is deterministic); if one fits nowhere, k grows by one.
+    How: k = max(ceil(total / max_tokens), min_count) batches, longest sequence first into the least loaded one
+    with room (ties to the lower one: the plan is deterministic); if one fits nowhere, k grows by one.
 
     >>> micro_batches_by_tokens([5, 1, 4, 3, 2, 9], max_tokens=10)
     [[0, 1, 4], [2, 3], [5]]

@@ -141,8 +141,7 @@ def unpackable(model) -> str | None:
 
 
 def _packed_hidden(model, batch: dict, prompt_index: Tensor | None, captured: dict, device) -> tuple[Tensor, Tensor]:
-    """The packed pass (one forward), returning what _completion_hidden does; prompt_index [B] or None as pack_batch
-    takes it."""
+    """The packed pass (one forward) of _completion_hidden; prompt_index [B] or None as pack_batch takes it."""
     reason = unpackable(model)
     if reason is not None:
         raise ValueError(reason)
@@ -231,11 +230,9 @@ def completion_logprobs(model: torch.nn.Module, batch: dict, *, temperature: flo
     share_prompts: when rows repeat a prompt (GRPO's G completions per prompt), run each distinct prompt once
            (on its KV cache; packed under gradient checkpointing or FSDP over ranks). False: the plain pass.
     packed: run the micro-batch as one padding-free packed row (pack_batch), U*Lp + sum(T_b) tokens.
-    vocab_size: normalise over the first vocab_size rows of the output projection only: the ids an engine can
-           sample (`sampleable_vocab_size`). A model whose embedding is padded beyond its tokenizer (Qwen2.5:
-           151,936 rows for 151,665 tokens) gives the padded rows some probability mass; the engines never
-           sample them and renormalise over the rest, so the trainer must too, or every token's old/rollout
-           ratio is off by log(1 - that mass). None: every row.
+    vocab_size: normalise over the first vocab_size rows of the output projection only (None: all), the ids an
+           engine samples (`sampleable_vocab_size`): the engines renormalise without padded rows (Qwen2.5: 151,936
+           for 151,665 tokens), so the trainer must too, or each old/rollout ratio is off by log(1 - their mass).
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")

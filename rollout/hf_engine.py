@@ -183,8 +183,7 @@ def sample_next_tokens(logits: Tensor, *, temperature: float, top_p: float, top_
                        generator: torch.Generator) -> tuple[Tensor, Tensor]:
     """Draw one token per row of logits ([A, V], any float dtype; the maths in float32): (tokens [A] int64,
     logprobs [A] float32), the logprob of log_softmax(logits / temperature) renormalised over the top-k/top-p
-    set. Temperature 0 is greedy: argmax, with the logprob of the untempered distribution (as vLLM reports it).
-    """
+    set. Temperature 0 is greedy: argmax, with the logprob of the untempered distribution (as vLLM reports it)."""
     logits = logits.float()
     if temperature == 0:
         tokens = logits.argmax(dim=-1)
@@ -201,8 +200,7 @@ def draw_from_probabilities(probabilities: Tensor, generator: torch.Generator) -
     proportional to its entry by inverse-CDF sampling: [A] int64. torch.multinomial draws V exponential variates
     per row, a large share of a CPU decode step; this draws one float64 uniform. The cumulative sum is in float64
     so that a token of probability 1e-9 next to a mass of 0.5 keeps its share; a zero-probability index is never
-    returned (the first index whose cumulative sum exceeds u * total is one where the sum grew).
-    """
+    returned (the first index whose cumulative sum exceeds u * total is one where the sum grew)."""
     cumulative = probabilities.double().cumsum(dim=-1)
     total = cumulative[:, -1:]
     uniform = torch.rand(total.shape, dtype=torch.float64, generator=generator, device=probabilities.device)
