@@ -55,12 +55,6 @@ def mini_batches(num_prompts: int, group_size: int, prompts_per_mini_batch: int 
     return [torch.arange(start, start + rows) for start in range(0, num_prompts * group_size, rows)]
 
 
-def mini_batch_denominators(mask: Tensor, minis: Sequence[Tensor], agg: str) -> Tensor:
-    """This rank's loss denominator [M] float32 of each mini-batch (grpo.losses.loss_denominator of its rows of
-    mask [B, T], where filler groups are 0); summed over ranks by one all-reduce, the global ones."""
-    return torch.stack([loss_denominator(mask[rows], agg).float() for rows in minis])
-
-
 @dataclass(frozen=True)
 class MicroBatch:
     """Rows of one forward/backward and their padded inputs (models.batching.pad_batch, completions to this
@@ -116,13 +110,15 @@ def plan_update(completions: Sequence, mask: Tensor, cfg: Config, world_size: in
                 all_reduce_sum: Callable[[Tensor], Tensor] = lambda t: t,
                 all_reduce_max: Callable[[Tensor], Tensor] = lambda t: t) -> list[MiniBatch]:
     """The update's plan: mini-batches (algorithm.ppo_mini_batch_size counts prompts over all ranks, as in verl) of
-    micro-batches with their padded inputs, each mini-batch with its denominator summed over ranks."""
+    micro-batches with their padded inputs, each mini-batch with its denominator: grpo.losses.loss_denominator of
+    its rows of mask [B, T] (filler groups 0), summed over ranks by one all-reduce of the [M] local ones."""
     mini = cfg.algorithm.ppo_mini_batch_size
     minis = mini_batches(cfg.trainer.prompts_per_step, cfg.rollout.n, None if mini is None else mini // world_size)
     plan = micro_batches(minis, [len(c.prompt_ids) + len(c.completion_ids) for c in completions],
                          rows_per_micro_batch=cfg.trainer.micro_batch_size,
                          max_tokens=cfg.trainer.max_tokens_per_micro_batch, agree_max=all_reduce_max)
-    denominators = all_reduce_sum(mini_batch_denominators(mask, minis, cfg.algorithm.agg))
+    denominators = all_reduce_sum(torch.stack([loss_denominator(mask[rows], cfg.algorithm.agg).float()
+                                               for rows in minis]))
     return [MiniBatch(tuple(MicroBatch(micro.rows, micro.weight, pad_batch(
         [completions[r].prompt_ids for r in micro.rows.tolist()],
         [completions[r].completion_ids for r in micro.rows.tolist()], pad_id)) for micro in mini), denominator)

@@ -3,7 +3,9 @@ each mini-batch's denominator; and that every rank agrees on the number of passe
 import pytest
 import torch
 
-from grpo.update import mini_batch_denominators, mini_batches, micro_batches
+from grpo.config import AlgorithmConfig, Config, RolloutConfig, TrainerConfig
+from grpo.update import micro_batches, mini_batches, plan_update
+from rollout.engine import Completion
 
 
 def test_mini_batches_are_whole_consecutive_groups():
@@ -19,10 +21,17 @@ def test_mini_batches_are_whole_consecutive_groups():
 def test_denominators_per_mini_batch():
     # Rows 0-1 (prompt 0): 3 + 1 tokens; rows 2-3 (prompt 1, a filler group: mask 0); rows 4-5: 2 + 2 tokens.
     mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0], [0, 0, 0], [1, 1, 0], [1, 1, 0]], dtype=torch.float32)
-    minis = mini_batches(3, 2, 1)
-    assert mini_batch_denominators(mask, minis, "token-mean").tolist() == [4.0, 0.0, 4.0]
-    assert mini_batch_denominators(mask, minis, "seq-mean-token-mean").tolist() == [2.0, 0.0, 2.0]
-    assert mini_batch_denominators(mask, mini_batches(3, 2, 3), "seq-mean-token-sum-norm").tolist() == [4.0]
+    completions = [Completion(prompt_ids=[1], completion_ids=[2] * int(length), text="", logprobs=[],
+                              finish_reason="stop") for length in [3, 1, 1, 1, 2, 2]]
+
+    def denominators(agg, prompts_per_mini_batch):
+        cfg = Config(rollout=RolloutConfig(n=2), trainer=TrainerConfig(prompts_per_step=3),
+                     algorithm=AlgorithmConfig(agg=agg, ppo_mini_batch_size=prompts_per_mini_batch))
+        return [float(mini.denominator) for mini in plan_update(completions, mask, cfg, 1, 0)]
+
+    assert denominators("token-mean", 1) == [4.0, 0.0, 4.0]
+    assert denominators("seq-mean-token-mean", 1) == [2.0, 0.0, 2.0]
+    assert denominators("seq-mean-token-sum-norm", 3) == [4.0]
 
 
 def test_micro_batches_by_rows():

@@ -1,5 +1,6 @@
 """End to end on a tiny random model with the transformers engine: GRPO and SFT steps, run directory,
 checkpoints, resume equivalence, start-up errors."""
+import dataclasses
 import json
 import shutil
 
@@ -58,7 +59,7 @@ def test_grpo_two_steps_and_resume_equivalence(tmp_path, tiny_model_dir):
 
     # Resume from step 2 as if the run had died after it: steps 3-4 must reproduce exactly.
     shutil.rmtree(run_dir / "checkpoints" / "step_4")
-    run(cfg, DistInfo(), resume=True)
+    run(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume="always")), DistInfo())
     resumed = _metrics(run_dir)
     assert [m["step"] for m in resumed] == [1, 2, 3, 4]
     for before, after in zip(metrics[2:], resumed[2:]):
@@ -111,9 +112,9 @@ def test_a_resume_refuses_settings_that_define_another_run(tmp_path, tiny_model_
     with pytest.raises(ConfigError, match=r"resuming .*step_1: settings differ from the run's \(.*config\.yaml\): "
                                           r"rollout\.n: 4 -> 2; optim\.lr: 0\.001 -> 0\.5; "
                                           r"trainer\.prompts_per_step: 2 -> 4\. List the ones"):
-        run(_config(tmp_path, tiny_model_dir, *changed), DistInfo(), resume=True)
+        run(_config(tmp_path, tiny_model_dir, *changed, "trainer.resume=always"), DistInfo())
     run(_config(tmp_path, tiny_model_dir, "trainer.steps=3", "data.eval_files=[]", "optim.lr=0.5",
-                "trainer.resume_changes=[optim.lr]"), DistInfo(), resume=True)  # steps may grow freely
+                "trainer.resume_changes=[optim.lr]", "trainer.resume=always"), DistInfo())  # steps may grow freely
     assert (run_dir / "config.yaml").read_text() == first
     assert "lr: 0.5" in (run_dir / "config_step_1.yaml").read_text()
     assert [m["step"] for m in _metrics(run_dir)] == [1, 2, 3]
