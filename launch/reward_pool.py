@@ -228,10 +228,8 @@ class RewardPool:
         return _PENDING
 
     def _died(self, slot: int) -> RewardWorkerError:
-        worker = self.workers[slot]
-        worker.process.join()
-        worker.connection.close()
-        self.workers[slot] = None
+        worker, self.workers[slot] = self.workers[slot], None
+        worker.stop()  # already dead: its exit code is read once joined
         code = worker.process.exitcode
         name = f", {signal.Signals(-code).name}" if code is not None and code < 0 else ""
         return RewardWorkerError(f"reward worker pid {worker.process.pid} died while scoring (exit code {code}{name}); "

@@ -79,8 +79,7 @@ class RunLog:
         if not self.enabled:
             return
         with open(self.run_dir / "samples.jsonl", "a") as file:
-            for sample in samples:
-                file.write(json.dumps({"step": step, **sample}) + "\n")
+            file.writelines(json.dumps({"step": step, **sample}) + "\n" for sample in samples)
 
     def warn(self, message: str) -> None:
         self.info(f"WARNING: {message}")
