@@ -126,14 +126,11 @@ def receive_weights(engine, group, device: torch.device) -> Header:
             tensors = {}
             for dtype in sorted({entry[2] for entry in manifest}):
                 entries = [entry for entry in manifest if entry[2] == dtype]
-                flat = torch.empty(sum(torch.Size(shape).numel() for _, shape, _ in entries),
-                                   dtype=getattr(torch, dtype), device=device)
+                sizes = [torch.Size(shape).numel() for _, shape, _ in entries]
+                flat = torch.empty(sum(sizes), dtype=getattr(torch, dtype), device=device)
                 torch_dist.broadcast(flat, src=0, group=group)
-                offset = 0
-                for name, shape, _ in entries:
-                    size = torch.Size(shape).numel()
-                    tensors[name] = flat[offset:offset + size].view(shape)
-                    offset += size
+                for (name, shape, _), part in zip(entries, flat.split(sizes)):
+                    tensors[name] = part.view(shape)
             engine.update_weights([(name, tensors[name]) for name, _, _ in manifest])
     return header
 
@@ -149,7 +146,6 @@ class RemoteRollout:
         links = dist.links
         self.cfg, self.links, self.model, self.has_held_out = cfg, links, model, has_held_out
         self.timeout_s, self.bucket_bytes = cfg.trainer.collective_timeout_s, cfg.rollout.sync_bucket_mb << 20
-        # One engine per rollout rank (grpo.config.check_placement), each serving T / R trainers.
         self.source = links.rollout_ranks[dist.global_rank // (len(links.trainer_ranks) // cfg.rollout.num_ranks)]
         self.messages: dict[int, Message] = {}
         self.received = -1  # the last step whose message arrived
