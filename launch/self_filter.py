@@ -26,11 +26,6 @@ GenerateFn = Callable[[list, int], list[list[str]]]
 JudgeFn = Callable[[str, str], bool]
 
 
-def question_of(messages: list[dict]) -> str:
-    """The last user message: the default prompt handed to `generate_fn`."""
-    return [message["content"] for message in messages if message["role"] == "user"][-1]
-
-
 def check_settings(group_size: int, min_correct: int, max_correct: int | None, anchors: int, batch_size: int) -> int:
     """Validate the filter's settings (before any model loads); returns max_correct, its default G-1 filled in."""
     max_correct = group_size - 1 if max_correct is None else max_correct
@@ -46,7 +41,7 @@ def check_settings(group_size: int, min_correct: int, max_correct: int | None, a
 
 def self_filter(rows: list[dict], generate_fn: GenerateFn, judge_fn: JudgeFn, *, group_size: int = 8,
                 min_correct: int = 1, max_correct: int | None = None, anchors: int = 0, batch_size: int = 16,
-                seed: int = 0, render: Callable[[list[dict]], object] = question_of) -> tuple[list[dict], dict]:
+                seed: int = 0, render: Callable[[list[dict]], object]) -> tuple[list[dict], dict]:
     """Keep the rows answered correctly k of G times, min_correct <= k <= max_correct, and `anchors` rows with
     k = G chosen under `seed` (all if fewer). generate_fn(prompts, n): the n = G completion texts of each prompt
     (render(row["prompt"])); judge_fn(text, ground_truth): whether one is correct. Returns (kept rows in input

@@ -5,7 +5,8 @@ import pytest
 
 from data import factqa
 from data.rows import read_rows
-from launch.self_filter import load_judge, question_of, self_filter
+from launch import self_filter as self_filter_module
+from launch.self_filter import load_judge
 
 SHARED_COUNTS = {
     "nq_open_validation.json": 3610,
@@ -76,6 +77,16 @@ def make_rows(answers):
     return [factqa.factqa_row(f"question {i}?", [answer], index=i, split="train", dataset="toy") for i, answer in enumerate(answers)]
 
 
+def question_of(messages):
+    """The last user message: the prompt the fake model below reads."""
+    return [message["content"] for message in messages if message["role"] == "user"][-1]
+
+
+def self_filter(rows, generate_fn, judge_fn, **settings):
+    """launch.self_filter.self_filter with the question text as each prompt."""
+    return self_filter_module.self_filter(rows, generate_fn, judge_fn, render=question_of, **settings)
+
+
 def fake_generate(right_counts, calls):
     """A stand-in model: for 'question i?' it answers right in the first right_counts[i] of its n samples."""
     def generate(prompts, n):
@@ -102,7 +113,7 @@ def test_self_filter_keeps_the_learning_zone():
     assert [row["extra_info"]["self_filter"]["correct"] for row in kept] == [1, 2, 3, 3]
     assert stats["correct_histogram"] == [2, 1, 1, 2, 2] and stats["kept"] == 4 and stats["anchors"] == 0
     assert [len(prompts) for prompts, _ in calls] == [3, 3, 2] and all(n == 4 for _, n in calls)
-    assert calls[0][0][0] == "question 0?"  # the default prompt text is the question
+    assert calls[0][0][0] == "question 0?"  # the prompt text is the question
     assert "self_filter" not in rows[1]["extra_info"]  # the input rows are not modified
 
     kept, _ = self_filter(rows, fake_generate(right_counts, []), judge, group_size=4, min_correct=2, max_correct=4)
