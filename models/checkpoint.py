@@ -48,10 +48,8 @@ class CheckpointWriteError(OSError):
 
 def _hf_class_name(model: torch.nn.Module) -> str:
     # FSDP2 subclasses the model's class on the fly (FSDPLlamaForCausalLM); the config must name the HF one.
-    for cls in type(model).__mro__:
-        if cls.__module__.startswith("transformers.") and not cls.__name__.startswith("FSDP"):
-            return cls.__name__
-    return type(model).__name__
+    names = [cls.__name__ for cls in type(model).__mro__ if cls.__module__.startswith("transformers.")]
+    return next((name for name in names if not name.startswith("FSDP")), type(model).__name__)
 
 
 def _trained_weights(model: torch.nn.Module) -> tuple[list[tuple[str, torch.Tensor]], str]:
@@ -68,12 +66,11 @@ def _write_weights(directory: Path, model: torch.nn.Module, tokenizer, merged_ex
     """Every rank gathers, rank 0 writes the model or a LoRA model's adapter (only its tensors are gathered)."""
     if not lora.is_lora(model):
         return _write_model(directory, model, tokenizer)
-    weights = {name: (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().cpu()
+    weights = {name: (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().cpu().contiguous()
                for name, tensor in _trained_weights(model)[0]}
     if fsdp.rank() == 0:
         model.peft_config[lora.ADAPTER].save_pretrained(directory)
-        save_file({name: tensor.contiguous() for name, tensor in weights.items()}, directory / ADAPTER_WEIGHTS,
-                  metadata={"format": "pt"})
+        save_file(weights, directory / ADAPTER_WEIGHTS, metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(directory)
     if merged_export:
@@ -82,12 +79,11 @@ def _write_weights(directory: Path, model: torch.nn.Module, tokenizer, merged_ex
 
 def _write_model(directory: Path, model: torch.nn.Module, tokenizer) -> None:
     """The model (a LoRA model merged) as an HF directory that transformers and vLLM load; rank 0 writes."""
-    weights = {name: tensor.cpu() for name, tensor in lora.merged_state_dict(model) if fsdp.rank() == 0}
+    weights = {name: tensor.cpu().contiguous() for name, tensor in lora.merged_state_dict(model) if fsdp.rank() == 0}
     if fsdp.rank() != 0:
         return
     directory.mkdir(exist_ok=True)
-    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, directory / WEIGHTS,
-              metadata={"format": "pt"})
+    save_file(weights, directory / WEIGHTS, metadata={"format": "pt"})
     config = copy.deepcopy(model.config)
     config.architectures = [_hf_class_name(model)]
     config.use_cache = True  # training turns the KV cache off; generation from the export wants it on

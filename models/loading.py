@@ -69,6 +69,23 @@ def resolve_model_dir(name_or_path: str | os.PathLike | None, *, need_weights: b
     return path
 
 
+FLASH_ATTN_INSTALL = "pip install flash-attn --no-build-isolation"  # it builds against the torch installed
+
+
+def flash_attn_installed() -> bool:
+    """Whether flash-attn is installed, importing the function the packed passes call (models.attention), which
+    loads its compiled CUDA extension: a wheel built for another torch or CUDA passes a package lookup and would
+    fail only at the first packed update, minutes in. ImportError naming the cause and the install command."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return False
+    try:
+        from flash_attn import flash_attn_varlen_func  # noqa: F401
+    except ImportError as error:
+        raise ImportError(f"flash-attn is installed but does not import ({error}); reinstall it for this torch "
+                          f"({FLASH_ATTN_INSTALL}) or uninstall it to use sdpa") from None
+    return True
+
+
 def choose_attention(requested: str, device_type: str, compute_dtype: str, flash_attn: bool) -> str:
     """The attention implementation a model loads with. "auto": flash_attention_2 on CUDA where flash-attn is
     installed and the model computes in bf16/fp16 (flash-attn refuses fp32), else sdpa; anything else as asked.
@@ -87,7 +104,7 @@ def resolve_attn_implementation(attn_implementation: str, device: str | torch.de
                                 compute_dtype: str | torch.dtype = "float32") -> str:
     """choose_attention on this machine: flash-attn counts as installed when it imports."""
     device_type = torch.device(device).type
-    flash = device_type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+    flash = device_type == "cuda" and flash_attn_installed()
     dtype = str(compute_dtype).removeprefix("torch.")
     return choose_attention(attn_implementation, device_type, dtype, flash)
 
@@ -155,17 +172,13 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def is_converted(directory: Path) -> bool:
-    return (directory / COMPLETE_MARKER).is_file()
-
-
 def convert_gguf(gguf_path: Path) -> Path:
     """Convert `gguf_path` into a safetensors HF directory (model, tokenizer, generation config) in the cache
     and return it (at once when an earlier conversion finished). It is written into a private temporary
     directory and renamed into place, so two processes converting at once cannot leave a half-written one."""
     gguf_path = Path(gguf_path).expanduser().resolve()  # a file: both callers check
     target = cache_root() / f"{gguf_path.stem}-{gguf_path.stat().st_size}-v{CONVERSION_VERSION}"
-    if is_converted(target):
+    if (target / COMPLETE_MARKER).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     temporary = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
@@ -177,7 +190,7 @@ def convert_gguf(gguf_path: Path) -> Path:
         except OSError:
             # Another process renamed its complete copy first (or left an incomplete one behind after a
             # crash, which has no marker): keep a complete one, replace an incomplete one.
-            if not is_converted(target):
+            if not (target / COMPLETE_MARKER).is_file():
                 shutil.rmtree(target, ignore_errors=True)
                 os.rename(temporary, target)
     finally:

@@ -46,10 +46,9 @@ def evaluating(model: torch.nn.Module):
 def dropout_active(model: torch.nn.Module) -> bool:
     """Whether a forward of `model` in train mode drops units: a torch Dropout with p > 0 (LoRA's
     lora_dropout, a model's own) or a config attention dropout > 0 (HF attention applies it while training)."""
-    config = getattr(model, "config", None)
-    if float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
-        return True
-    return any(isinstance(module, torch.nn.Dropout) and module.p > 0 for module in model.modules())
+    attention_dropout = float(getattr(getattr(model, "config", None), "attention_dropout", 0.0) or 0.0)
+    return attention_dropout > 0 or any(isinstance(module, torch.nn.Dropout) and module.p > 0
+                                        for module in model.modules())
 
 
 def prompt_groups(input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> tuple[Tensor, Tensor]:

@@ -24,8 +24,7 @@ class HFEngine(Engine):
 
     shared:        True when `model` is the policy being trained: `update_weights` is then a no-op (the engine
                    already sees every optimizer step). False when the engine owns its copy, updated by name.
-    eos_token_ids: token ids that end a completion (finish reason "stop"); default: the tokenizer's eos (every
-                   tokenizer comes from models.load_tokenizer, which guarantees an eos and a pad token).
+    eos_token_ids: token ids that end a completion (finish reason "stop"); default: the tokenizer's eos.
     max_context:   the most tokens a sequence may hold; default: the model's max_position_embeddings.
     num_threads:   torch threads while generating (rollout.engine.torch_threads); None: torch's setting as it is.
     """

@@ -31,7 +31,7 @@ def test_embedded_default_loads_and_generates_text(tokenizer):
     # Greedy SmolLM2-135M-Instruct answers "The capital of France is Paris."
     assert "Paris" in text, text
     directory = resolve_model_dir(None)
-    assert loading.is_converted(directory) and (directory / "model.safetensors").is_file()
+    assert (directory / loading.COMPLETE_MARKER).is_file() and (directory / "model.safetensors").is_file()
     assert not list(directory.parent.glob(f".{directory.name}.*")), "a temporary conversion directory was left behind"
 
 
@@ -134,7 +134,7 @@ def test_concurrent_conversions_leave_one_complete_directory(tmp_path, monkeypat
     for thread in threads:
         thread.join()
     assert len(calls) == 2 and results[0] == results[1]
-    assert loading.is_converted(results[0])
+    assert (results[0] / loading.COMPLETE_MARKER).is_file()
     assert sorted(path.name for path in (tmp_path / "cache").iterdir()) == [results[0].name]
     # A finished conversion is reused without converting again.
     assert loading.convert_gguf(source) == results[0] and len(calls) == 2
