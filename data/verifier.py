@@ -49,8 +49,7 @@ def convert_verifier(path: str | Path, template: str | None = None, *, split: st
 
 
 def rebalance(rows: list[dict], seed: int = 0) -> list[dict]:
-    """Keep all rows of the rarer class (correct = judgment A, incorrect = B or C) and as many of the other,
-    sampled under `seed`; the input order is kept. Fails when one class is absent."""
+    """All rows of the rarer class (A versus B/C) and as many of the other, sampled under `seed`, in input order."""
     correct = [i for i, row in enumerate(rows) if row["reward_model"]["ground_truth"] == "A"]
     incorrect = [i for i, row in enumerate(rows) if row["reward_model"]["ground_truth"] != "A"]
     if not correct or not incorrect:

@@ -55,8 +55,7 @@ _REASONING_TRAIL = " \t\r\n*_#-:"
 
 
 def split_reasoning(summary: str) -> str | None:
-    """The (possibly empty) reasoning before a well-formed final `Final Judgment: \\boxed{X}` line, markdown and
-    closing punctuation allowed ("Both say 144.\\n\\n**Final Judgment:** \\\\boxed{A}."); None if unstructured."""
+    """The (maybe empty) reasoning before a well-formed last `Final Judgment: \\boxed{X}` line, else None."""
     span = last_boxed_span(summary)
     marker = last_match(FINAL_JUDGMENT, summary)
     if span is None or marker is None or summary.count("\\boxed{") != 1:
@@ -160,8 +159,7 @@ def distill_example(row: dict, samples: Sequence[tuple[str, str]], report: Disti
 
 
 def write_distilled(rows: list[dict], out: str | Path, report: DistillReport) -> Path:
-    """Write the report beside `out` (sft.jsonl -> sft.report.json), then the rows (none: ValueError); returns
-    the report's path."""
+    """Write the report beside `out` (sft.jsonl -> sft.report.json), then the rows (none: ValueError); its path."""
     path = Path(out).with_suffix(".report.json")
     atomic_write_text(path, json.dumps(report.as_dict(), indent=1) + "\n")
     if not rows:

@@ -44,8 +44,7 @@ def _number(value) -> float:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The step records of a metrics.jsonl (none in an empty file: a run stopped before its first step); a bad
-    line, or a record without an integer "step", fails naming file:line."""
+    """The step records of a metrics.jsonl, none for an empty file (a run stopped before its first step)."""
     if path.stat().st_size == 0:
         return []
     records = []

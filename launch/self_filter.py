@@ -103,8 +103,7 @@ def load_judge(spec: str | None) -> JudgeFn:
 
 
 def engine_generate_fn(engine, *, max_new_tokens: int, temperature: float, top_p: float, seed: int) -> GenerateFn:
-    """A generate_fn on an engine for prompts of token ids (models.render_prompt), each call with the next seed
-    (one seed for every batch would correlate them)."""
+    """A generate_fn on an engine, each call with the next seed (one seed for every batch would correlate them)."""
     seeds = itertools.count(seed)
 
     def generate(prompts: list[list[int]], n: int) -> list[list[str]]:

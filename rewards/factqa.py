@@ -110,8 +110,7 @@ def sentence_rewards(solution_str: str, counter: CooccurrenceCounter,
 
 
 def make_factqa_reward(counter: CooccurrenceCounter, extractor=None) -> Callable[..., dict]:
-    """The reward (module docstring) on `counter` (anything with count_cooccurrence, to register under your own
-    name) and `extractor` (default RuleTripleExtractor), its components as further keys."""
+    """The module docstring's reward on any `counter` with count_cooccurrence (register it under your own name)."""
     extractor = extractor if extractor is not None else RuleTripleExtractor()
 
     def factqa_reward(data_source: str, solution_str: str, ground_truth: object,
