@@ -4,6 +4,7 @@
     python -m bench.sync                  # vLLM engine when installed (else HF), buckets 16 MiB .. 1 GiB
     python -m bench.sync --engine hf      # the transformers engine (shared=False copy)
     python -m bench.sync --quick          # smoke run: two bucket sizes, one repeat
+    python -m bench.sync --engine hf --engine-dtype bfloat16   # a bf16 engine: fp32 vs bf16 gathers, alternated
 
 Per bucket size it prints the sync time (slowest rank, median of the repeats), the time inside the
 engine, the bucket count, the largest bucket, and the peak extra resident memory of a rank during the
@@ -64,26 +65,33 @@ def child(args) -> None:
     else:
         from rollout.hf_engine import HFEngine
 
-        engine = HFEngine(load_model(model_dir), load_tokenizer(model_dir), shared=False)
+        engine_dtype = getattr(torch, args.engine_dtype)
+        engine = HFEngine(load_model(model_dir, dtype=engine_dtype), load_tokenizer(model_dir), shared=False)
     policy = fsdp.shard(load_model(model_dir), init_device_mesh("cpu", (world_size,)), param_dtype=None)
     sync_weights(policy, engine, bucket_bytes=1 << 30)  # warm-up: first-call costs are not the bucket's
+    # A bf16 engine: the fp32 masters gathered as stored, then in the engine's dtype, repeats alternated.
+    gathers = [None, torch.bfloat16] if args.engine_dtype == "bfloat16" else [None]
     rows = []
     for bucket_mib in args.buckets:
-        seconds, load_seconds, peaks = [], [], []
+        runs = {gather: {"seconds": [], "load_seconds": [], "peaks": []} for gather in gathers}
         for _ in range(args.repeats):
-            dist.barrier()
-            before = status_mib("VmRSS")
-            reset_peak()
-            metrics = sync_weights(policy, engine, bucket_bytes=bucket_mib * MIB)
-            peaks.append(status_mib("VmHWM") - before)
-            seconds.append(metrics["sync/seconds"])
-            load_seconds.append(metrics["sync/load_seconds"])
-        rows.append({
-            "bucket_mib": bucket_mib, "seconds": statistics.median(seconds),
-            "load_seconds": statistics.median(load_seconds), "buckets": metrics["sync/buckets"],
-            "max_bucket_mib": metrics["sync/max_bucket_bytes"] / MIB, "peak_extra_mib": max(peaks),
-            "model_mib": metrics["sync/bytes"] / MIB,
-        })
+            for gather, run in runs.items():
+                dist.barrier()
+                before = status_mib("VmRSS")
+                reset_peak()
+                metrics = sync_weights(policy, engine, bucket_bytes=bucket_mib * MIB, dtype=gather)
+                run["peaks"].append(status_mib("VmHWM") - before)
+                run["seconds"].append(metrics["sync/seconds"])
+                run["load_seconds"].append(metrics["sync/load_seconds"])
+                run["metrics"] = metrics
+        for gather, run in runs.items():
+            rows.append({
+                "bucket_mib": bucket_mib, "gather": str(gather or "float32").removeprefix("torch."),
+                "seconds": statistics.median(run["seconds"]), "load_seconds": statistics.median(run["load_seconds"]),
+                "buckets": run["metrics"]["sync/buckets"], "peak_extra_mib": max(run["peaks"]),
+                "max_bucket_mib": run["metrics"]["sync/max_bucket_bytes"] / MIB,
+                "model_mib": run["metrics"]["sync/bytes"] / MIB,
+            })
     gathered = [None] * world_size
     dist.all_gather_object(gathered, rows)
     if rank == 0:
@@ -106,21 +114,23 @@ def launch(args) -> None:
         torchrun = Path(sys.executable).with_name("torchrun")
         command = [str(torchrun), "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
                    "-m", "bench.sync", "--child", "--out", str(out), "--engine", args.engine,
-                   "--repeats", str(args.repeats), "--buckets", *[str(size) for size in args.buckets]]
+                   "--repeats", str(args.repeats), "--engine-dtype", args.engine_dtype,
+                   "--buckets", *[str(size) for size in args.buckets]]
         environment = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                        "MALLOC_MMAP_THRESHOLD_": "65536"}
         finished = subprocess.run(command, env=environment, capture_output=True, text=True)
         if finished.returncode != 0:
             sys.exit(f"torchrun failed ({finished.returncode}):\n{finished.stderr[-6000:]}")
         ranks = json.loads(out.read_text())
-    print(f"engine {args.engine}, 2 ranks (FSDP2, gloo), model {ranks[0][0]['model_mib']:.0f} MiB fp32, "
+    print(f"engine {args.engine} ({args.engine_dtype}), 2 ranks (FSDP2, gloo), fp32 master weights, "
           f"median of {args.repeats}")
-    print(f"{'bucket MiB':>10} {'buckets':>7} {'largest MiB':>11} {'sync s':>7} {'engine s':>8} "
-          f"{'peak extra MiB (rank 0, 1)':>27}")
+    print(f"{'bucket MiB':>10} {'gathered':>8} {'MiB moved':>9} {'buckets':>7} {'largest MiB':>11} {'sync s':>7} "
+          f"{'engine s':>8} {'peak extra MiB (rank 0, 1)':>27}")
     for row, other in zip(ranks[0], ranks[1]):
         seconds = max(row["seconds"], other["seconds"])
-        print(f"{row['bucket_mib']:>10} {row['buckets']:>7.0f} {row['max_bucket_mib']:>11.0f} {seconds:>7.2f} "
-              f"{row['load_seconds']:>8.2f} {row['peak_extra_mib']:>13.0f} {other['peak_extra_mib']:>13.0f}")
+        print(f"{row['bucket_mib']:>10} {row['gather']:>8} {row['model_mib']:>9.0f} {row['buckets']:>7.0f} "
+              f"{row['max_bucket_mib']:>11.0f} {seconds:>7.2f} {row['load_seconds']:>8.2f} "
+              f"{row['peak_extra_mib']:>13.0f} {other['peak_extra_mib']:>13.0f}")
 
 
 def main() -> None:
@@ -129,6 +139,8 @@ def main() -> None:
     parser.add_argument("--engine", choices=["vllm", "hf"], default=default_engine)
     parser.add_argument("--buckets", type=int, nargs="+", default=[16, 64, 256, 1024], help="bucket sizes, MiB")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engine-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the hf engine's dtype; bfloat16 also times gathering in it")
     parser.add_argument("--quick", action="store_true", help="smoke run: buckets 64 and 1024 MiB, one repeat")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)

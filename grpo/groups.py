@@ -1,7 +1,5 @@
-"""The rollout phase: where a step's scored groups come from, behind one seam (`Rollout`): LocalRollout, a rank
-whose own engine generates (the colocated placement, and each engine rank of rollout.placement=separate), or
-launch/separate.py's RemoteRollout, which receives its batches from engine ranks of their own.
-"""
+"""The rollout phase behind one seam (`Rollout`): LocalRollout generates on this rank's own engine (colocated, and
+each engine rank of rollout.placement=separate); launch/separate.py's RemoteRollout receives its batches."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -164,7 +162,8 @@ class LocalRollout:
         """Push the policy's weights into the engine (rollout.sync.sync_weights); {} when it shares them."""
         if self.policy is None:
             return {}
-        return sync_weights(self.policy, self.engine, bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20)
+        return sync_weights(self.policy, self.engine, bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20,
+                            dtype=getattr(torch, self.cfg.model.param_dtype))  # the engine's (launch.plan.precision)
 
     def evaluate(self, step: int) -> dict | None:
         """The held-out rows scored greedily with the engine's current weights (the same rows after every step)."""

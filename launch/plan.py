@@ -5,13 +5,12 @@ same functions, so the printed plan is what runs.
 """
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 import torch
 
 from grpo.config import Config, ConfigError, check
-from models.loading import choose_attention
+from models.loading import choose_attention, flash_attn_installed
 from rollout.vllm_engine import SLEEP_LEVEL, WORKER_EXTENSION, visible_device
 
 # vLLM's engine calls for one RL step, colocated on GPUs (vLLM's documented order for weight updates): level 2
@@ -39,8 +38,10 @@ class Target:
     @classmethod
     def here(cls, world_size: int = 1, torchrun: bool = False) -> Target:
         cuda = torch.cuda.is_available()
-        return cls("cuda" if cuda else "cpu", world_size, cuda and importlib.util.find_spec("flash_attn") is not None,
-                   torchrun)
+        try:
+            return cls("cuda" if cuda else "cpu", world_size, cuda and flash_attn_installed(), torchrun)
+        except ImportError as error:
+            raise ConfigError(str(error)) from None
 
 
 def tp_groups(world_size: int, tensor_parallel_size: int) -> list[list[int]]:

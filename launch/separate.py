@@ -84,15 +84,17 @@ def _wait(work, source: int, timeout_s: float) -> None:
 
 # --- The weight path: trainer 0 -> every rollout rank ---------------------------------------------------------
 
-def broadcast_weights(model, group, header: Header, *, bucket_bytes: int, sender: bool) -> dict:
-    """Every trainer rank gathers the policy's full tensors (FSDP2); trainer 0 broadcasts the header, then each
-    bucket (a manifest of names, shapes and dtypes, then one flat tensor per dtype). Returns sync metrics."""
+def broadcast_weights(model, group, header: Header, *, bucket_bytes: int, sender: bool,
+                      dtype: torch.dtype | None = None) -> dict:
+    """Every trainer rank gathers the policy's full tensors (FSDP2) in the engines' `dtype`; trainer 0 broadcasts
+    the header, then each bucket (a manifest of names, shapes and dtypes, then one flat tensor per dtype). Returns
+    sync metrics."""
     started, total, count = time.perf_counter(), 0, 0
     if sender:
         torch_dist.broadcast_object_list([header], src=0, group=group)
     if header.stop:
         return {}
-    for bucket in bucketed(merged_state_dict(model), bucket_bytes):
+    for bucket in bucketed(merged_state_dict(model, dtype), bucket_bytes):
         count += 1
         total += sum(tensor_bytes(tensor) for _, tensor in bucket)
         if sender:
@@ -161,7 +163,7 @@ class RemoteRollout:
 
     def _broadcast(self, header: Header) -> dict:
         return broadcast_weights(self.model, self.links.weights, header, bucket_bytes=self.bucket_bytes,
-                                 sender=self.sender)
+                                 sender=self.sender, dtype=getattr(torch, self.cfg.model.param_dtype))
 
     def start(self, start_step: int, positions: list[int]) -> dict:
         """Send the start (first step, each replica's data position: a trainer's checkpointed one) and v_start."""

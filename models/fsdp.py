@@ -127,13 +127,17 @@ def named_weights(model: torch.nn.Module) -> list[tuple[str, Tensor]]:
     return [*model.named_parameters(), *_buffers(model, True)]
 
 
-def full_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """Stream (HF name, full tensor, detached, in its stored dtype) for every parameter and persistent buffer, in
-    the same order on every rank, which must each consume the whole iterator (gathering a shard is a collective).
-    A tied lm_head.weight is not repeated (HF's save_pretrained and vLLM's load_weights both accept that)."""
+def full_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
+    """Stream (HF name, full tensor, detached) for every parameter and persistent buffer, in the same order on every
+    rank, which must each consume the whole iterator (gathering a shard is a collective). Floating tensors come in
+    `dtype` (None: as stored): each shard is cast before its gather, the same values as casting the full tensor in
+    half the bytes for bf16 from fp32. A tied lm_head.weight is not repeated (HF's save_pretrained and vLLM's
+    load_weights both accept that)."""
     for name, tensor in named_weights(model):
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        yield name, full.detach()
+        tensor = tensor.detach()
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def shape_mismatch(expected: dict[str, tuple], given: dict[str, tuple]) -> str | None:

@@ -105,12 +105,13 @@ def disabled_adapters(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
             parameter.requires_grad_(flag)
 
 
-def merged_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+def merged_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
     """Stream (base HF name, full tensor) in the base model's order with every adapter merged, W + scale * B @ A
     (from the gathered W, A and B in fp32, returned in W's dtype; the model is not modified). Every rank must
-    consume the whole iterator (as models.fsdp.full_state_dict's, which a model without adapters streams)."""
+    consume the whole iterator (as models.fsdp.full_state_dict's, which a model without adapters streams). dtype:
+    floating tensors cast to it (a model without adapters gathers in it; a merge is computed first, then cast)."""
     if not is_lora(model):
-        yield from fsdp.full_state_dict(model)
+        yield from fsdp.full_state_dict(model, dtype)
         return
     from peft.tuners.lora import LoraLayer
 
@@ -119,7 +120,7 @@ def merged_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
     for name, tensor in fsdp.full_state_dict(model):
         match = _ADAPTED.fullmatch(name)
         if match is None:
-            yield name, tensor
+            yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
             continue
         module = match.group(1)
         parts = pending.setdefault(module, {})
@@ -127,9 +128,9 @@ def merged_state_dict(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
         if {"weight", "lora_A", "lora_B"} <= set(parts):
             weight, down, up = parts.pop("weight"), parts.pop("lora_A"), parts.pop("lora_B")
             merged = weight.float() + scales[module] * (up.float() @ down.float())
-            yield f"{module}.weight", merged.to(weight.dtype)
+            yield f"{module}.weight", merged.to(dtype or weight.dtype)
             for leftover, value in sorted(parts.items()):  # the base layer's bias, if any
-                yield f"{module}.{leftover}", value
+                yield f"{module}.{leftover}", value.to(dtype or value.dtype)
             del pending[module]
     if pending:
         raise ValueError(f"merged_state_dict: adapted modules with missing tensors: {sorted(pending)[:5]}")

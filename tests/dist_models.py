@@ -143,6 +143,7 @@ def compare_case(arch: str, tie: bool, param_dtype, mesh, results: dict, out_dir
     optimizer.step()
     bytes_sharded = training_bytes(model, optimizer)
     stepped = dict(fsdp.full_state_dict(model))
+    in_bf16 = list(fsdp.full_state_dict(model, torch.bfloat16))  # each shard cast, then gathered (the weight sync)
 
     key = f"{arch}_{'tied' if tie else 'untied'}_{'fp32' if param_dtype is None else 'bf16'}"
     case = {
@@ -157,6 +158,9 @@ def compare_case(arch: str, tie: bool, param_dtype, mesh, results: dict, out_dir
         "no_grad_logprobs_max_abs_diff": no_grad_diff,
         "root_released_after_no_grad": root_released,
         "streamed_dtypes": streamed_dtypes,
+        "bf16_stream_is_the_cast_master": [name for name, _ in in_bf16] == list(stepped) and all(
+            tensor.dtype == torch.bfloat16 and torch.equal(tensor, stepped[name].to(torch.bfloat16))
+            for name, tensor in in_bf16),
         "tying_kept": (model.lm_head.weight is model.model.embed_tokens.weight) == tie,
     }
     if param_dtype is None:

@@ -30,7 +30,8 @@ def _targets(cfg):
     for world in (1, 2, 8):
         out.append((f"cuda:{world}", Target("cuda", world, True), []))
     if cfg.rollout.engine == "vllm":
-        out += [(f"cuda:{world}:tp2", Target("cuda", world, True), ["rollout.tensor_parallel_size=2"]) for world in (2, 8)]
+        tp2 = ["rollout.tensor_parallel_size=2"]
+        out += [(f"cuda:{world}:tp2", Target("cuda", world, True), tp2) for world in (2, 8)]
         separate = ["rollout.placement=separate", "rollout.num_ranks=2"]
         out.append(("cuda:8:separate2", Target("cuda", 8, True), separate))
     return out
@@ -278,3 +279,26 @@ def test_every_process_group_gets_the_collective_timeout(monkeypatch):
     assert calls == [("world", "gloo", seven), ((0, 1, 2), "gloo", seven), ((3,), "gloo", seven),
                      ((0, 1, 2, 3), "gloo", seven), ((0, 3), "gloo", seven)]
     assert info.role == "rollout" and info.links.trainer_ranks == (0, 1, 2) and info.links.weights == "group5"
+
+
+def test_a_flash_attn_that_does_not_import_is_refused_at_start_up(tmp_path, monkeypatch):
+    """Issue 32, finding 7: a flash-attn wheel built for another torch passes a package lookup and would fail at
+    the first packed update; the start imports it and refuses naming the cause and the install command."""
+    import sys
+
+    from models.loading import flash_attn_installed
+    package = tmp_path / "flash_attn"
+    package.mkdir()
+    broken = "raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDevice')\n"
+    (package / "__init__.py").write_text(broken)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    with pytest.raises(ImportError, match=r"flash-attn is installed but does not import \(flash_attn_2_cuda\.so: "
+                                          r"undefined symbol.*pip install flash-attn --no-build-isolation"):
+        flash_attn_installed()
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    with pytest.raises(ConfigError, match=r"pip install flash-attn --no-build-isolation\) or uninstall it"):
+        Target.here(8, torchrun=True)
+    (package / "__init__.py").write_text("def flash_attn_varlen_func(*args, **kwargs):\n    pass\n")
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    assert flash_attn_installed() and Target.here(8, torchrun=True) == Target("cuda", 8, True, True)

@@ -76,3 +76,22 @@ def test_sync_weights_streams_every_weight_once_in_bounded_buckets(tied):
         groups = {weight_group(name) for name, _, _ in call}
         assert sum(size for _, _, size in call) <= layer_bytes or len(groups) == 1
     assert metrics["sync/seconds"] >= metrics["sync/load_seconds"] >= 0
+
+
+def test_sync_in_the_engines_dtype_moves_half_the_bytes_and_the_same_weights():
+    """The engine holds bf16 weights: fp32 masters gathered in bf16 give it exactly what it would cast them to."""
+    from rollout.hf_engine import HFEngine
+
+    model = tiny_model("llama", seed=3)
+    full, half = RecordingEngine(), RecordingEngine()
+    full_metrics = sync_weights(model, full, bucket_bytes=1 << 20)
+    half_metrics = sync_weights(model, half, bucket_bytes=1 << 20, dtype=torch.bfloat16)
+    assert half_metrics["sync/bytes"] == full_metrics["sync/bytes"] / 2
+    assert [name for call in half.calls for name, _, _ in call] == [name for call in full.calls for name, _, _ in call]
+    copies = [tiny_model("llama", seed=5).to(torch.bfloat16) for _ in range(2)]
+    for copy, dtype in zip(copies, (None, torch.bfloat16)):
+        engine = HFEngine(copy, list(range(copy.config.vocab_size)), shared=False, eos_token_ids=[0])  # len() only
+        sync_weights(model, engine, bucket_bytes=1 << 20, dtype=dtype)
+    for (name, a), (_, b) in zip(copies[0].state_dict().items(), copies[1].state_dict().items()):
+        assert torch.equal(a, b), name
+    assert torch.equal(copies[1].lm_head.weight, model.lm_head.weight.to(torch.bfloat16))
