@@ -144,13 +144,10 @@ def verifier_metrics(examples: list[dict]) -> dict:
 def score_example(record: dict, *, relaxed: bool = False) -> dict:
     """The per-example fields of one record for its data source ({} for a source with no task metrics)."""
     source, completion, ground_truth = record["data_source"], record["completion"], record["ground_truth"]
-    if source == SCIFACT:
-        return scifact_example(completion, ground_truth, relaxed=relaxed)
-    if source == FACTQA:
-        return factqa_example(completion, ground_truth, relaxed=relaxed)
     if source == VERIFIER:
         return verifier_example(completion, ground_truth, record.get("extra_info"), record.get("completion_tokens"))
-    return {}
+    example = {SCIFACT: scifact_example, FACTQA: factqa_example}.get(source)
+    return {} if example is None else example(completion, ground_truth, relaxed=relaxed)
 
 
 TASK_METRICS = {SCIFACT: scifact_metrics, FACTQA: factqa_metrics, VERIFIER: verifier_metrics}

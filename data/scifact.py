@@ -20,8 +20,8 @@ ABILITY = "fact_verification"
 LABEL_NAMES = {"SUPPORT": "SUPPORTS", "CONTRADICT": "REFUTES"}  # the release's labels
 DEFAULT_SPLITS = ("train", "dev")
 
-# Kept short on purpose: the embedded 135M model must learn the format on a CPU within minutes, and every
-# instruction token is paid for in every SFT and RL step. It still states the exact output format.
+# Short on purpose: the embedded 135M model must learn the format on a CPU in minutes, and every token here
+# is paid for in every SFT and RL step.
 INSTRUCTIONS = """Does the text support or refute the claim? Answer SUPPORTS, REFUTES or NOT_ENOUGH_INFO and copy \
 the evidence sentences, in exactly this format:
 <answer>

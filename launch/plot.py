@@ -1,11 +1,10 @@
-"""Plots for runs: training curves from metrics.jsonl (a line per run) and evaluation comparison bars (a bar
-per model), written as PNG with matplotlib's Agg renderer (no display needed).
+"""Plots for runs as PNG (matplotlib's Agg renderer, no display needed): training_curves.png, a line per run, and
+eval_comparison.png, a bar per model, written into --out.
 
     python -m launch.plot runs/demo/sft runs/demo/grpo --out runs/demo/plots
     python -m launch.plot runs/demo/grpo runs/demo/eval_base runs/demo/eval_grpo
 
-Each directory is a training run (metrics.jsonl, and eval.json's held-out before/after when present) or a
-`launch.eval` output (metrics.json). Writes training_curves.png and/or eval_comparison.png into --out.
+Each directory is a run (metrics.jsonl, eval.json's held-out before/after) or a launch.eval output (metrics.json).
 """
 from __future__ import annotations
 
