@@ -116,9 +116,9 @@ class DistillReport:
     examples_with_kept: int = 0
 
     def as_dict(self) -> dict:
-        return {"examples": self.examples, "samples_per_example": self.samples_per_example,
-                "samples": sum(self.counts.values()), "kept": self.counts["kept"],
-                "examples_with_kept": self.examples_with_kept,
+        total = sum(self.counts.values())
+        return {"examples": self.examples, "samples_per_example": self.samples_per_example, "samples": total,
+                "kept": self.counts["kept"], "examples_with_kept": self.examples_with_kept,
                 "by_reason": dict(self.counts), "kept_by_label": dict(self.kept_by_label)}
 
     def format(self) -> str:
