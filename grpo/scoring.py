@@ -66,8 +66,9 @@ class Scorer:
     def _checked(outcome, row: dict, position: int) -> dict:
         """The reward's result as a dict with a float "score"; an error raised with the row named."""
         if isinstance(outcome, BaseException):
-            index = row.get("extra_info", {}).get("index", position)
-            raise RuntimeError(f"reward {row.get('data_source')!r} failed on row index {index}: {outcome}") from outcome
+            index = (row.get("extra_info") or {}).get("index")
+            which = f"row index {index}" if index is not None else f"completion {position} of the batch (no index)"
+            raise RuntimeError(f"reward {row.get('data_source')!r} failed on {which}: {outcome}") from outcome
         result = dict(outcome) if isinstance(outcome, dict) else {"score": float(outcome)}
         result["score"] = float(result["score"])
         return result

@@ -115,6 +115,9 @@ def test_scoring_correctness_order_format_and_failures():
 
     with pytest.raises(RuntimeError, match="reward 'toy' failed on row index 2: 'index missing'"):
         Scorer(broken, SCORER.decode_prefixes).score(["x"], [[120]], [ROWS[2]])
+    # A row without extra_info (verl allows it) is named by its place in the batch, not a crash on None.
+    with pytest.raises(RuntimeError, match=r"reward 'toy' failed on completion 0 of the batch \(no index\)"):
+        Scorer(broken, SCORER.decode_prefixes).score(["x"], [[120]], [{**ROWS[2], "extra_info": None}])
     scores = Scorer(lambda *a: 0.25, SCORER.decode_prefixes).score(["ab", "c"], [[97, 98], [99]], ROWS[:2])
     assert scores.rewards.tolist() == [0.25, 0.25] and scores.token_shaping.shape == (2, 2)
     assert scores.token_shaping.abs().sum() == 0 and scores.components == {}
