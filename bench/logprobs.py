@@ -13,7 +13,7 @@ Four passes over N = B*T rows:
   naive            log_softmax(logits.float()).gather, given logits [N, V]        (the textbook reference)
   chunked          the same log_softmax on the same logits, a chunk of rows at a time
   naive_hidden     logits = hidden @ W.T, then naive: what a model forward + loss does (H = 576, SmolLM2)
-  fused_hidden     models.chunked_softmax.LogprobsFromHidden: what completion_logprobs does, no [N, V] tensor
+  fused_hidden     models.logprobs.LogprobsFromHidden: what completion_logprobs does, no [N, V] tensor
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def _measure(method: str, vocab: int, rows: int, chunk_size: int, compare: bool)
     """Runs inside the subprocess: build inputs, reset the peak, run the pass, report."""
     import torch
 
-    from models.chunked_softmax import LogprobsFromHidden
+    from models.logprobs import LogprobsFromHidden
 
     torch.set_num_threads(2)
     generator = torch.Generator().manual_seed(0)

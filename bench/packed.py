@@ -55,7 +55,7 @@ def segment_mask(segments, num_tokens: int, device=None) -> torch.Tensor:
 
 def block_mask_logprobs(model, batch: dict):
     """Logprobs [M] of the packed row run through the model's sdpa with the block mask as a 4-D mask."""
-    from models.chunked_softmax import LogprobsFromHidden
+    from models.logprobs import LogprobsFromHidden
     from models.logprobs import pack_batch, prompt_groups
 
     _, prompt_index = prompt_groups(batch["input_ids"], batch["attention_mask"], batch["prompt_len"])

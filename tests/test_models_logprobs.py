@@ -7,8 +7,7 @@ import torch
 
 import models.batching
 from models.batching import pad_batch
-from models.chunked_softmax import LogprobsFromHidden
-from models.logprobs import completion_logprobs, prompt_groups
+from models.logprobs import LogprobsFromHidden, completion_logprobs, prompt_groups
 from tiny import tiny_model
 
 
