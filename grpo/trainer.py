@@ -1,7 +1,5 @@
 """The RL loop (GRPO, DAPO, Dr. GRPO, GSPO, RLOO, REINFORCE++, CISPO, process-reward GRPO) and the SFT loop (cold
-start before RL), each one function read top to bottom. An RL step is a rollout (P prompts x G completions per
-rank, scored), prepare (the update's plan, old/reference logprobs, rewards, advantages), the update (ppo_epochs
-passes over the mini-batches, one optimizer step each) and the weight sync; docs/how_a_step_runs.md walks them.
+start before RL), each one function read top to bottom; docs/how_a_step_runs.md walks an RL step's phases.
 
 Variants are settings of the run's Config (grpo/config.py), not subclasses. What is global under torchrun (loss
 denominators, batch statistics, the gradient norm, the skip decision) is reduced where it is computed; the rest

@@ -42,8 +42,6 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str =
     return min_ratio + (1.0 - min_ratio) * decay
 
 
-# --- The plan: mini-batches and micro-batches ------------------------------------------------------------------
-
 def mini_batches(num_prompts: int, group_size: int, prompts_per_mini_batch: int | None) -> list[Tensor]:
     """Row indices [prompts_per_mini_batch * G] long of each mini-batch: `prompts_per_mini_batch` whole
     consecutive groups (None: all of them)."""
@@ -124,8 +122,6 @@ def plan_update(completions: Sequence, mask: Tensor, cfg: Config, world_size: in
         [completions[r].completion_ids for r in micro.rows.tolist()], pad_id)) for micro in mini), denominator)
         for mini, denominator in zip(plan, denominators)]
 
-
-# --- prepare: what the update trains on -------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Prepared:
@@ -213,8 +209,6 @@ def prepare(parts, batch: Batch, dist) -> Prepared:
     kl_in_loss = ref if algo.kl_coef > 0 and not algo.kl_in_reward else None
     return Prepared(mini_batches, batch.mask, advantages, rollout, old, kl_in_loss, rewards, metrics)
 
-
-# --- update: the optimizer steps --------------------------------------------------------------------------------
 
 def optimizer_step(policy, cfg: Config, dist, log, *, step: int, loss: float, skips: int) -> tuple[float, int]:
     """Clip to optim.grad_clip (0: none), then step, or skip when `loss` or the norm is not finite on some rank

@@ -1,6 +1,5 @@
-"""Training from Python: a recipe (or a dict, or the defaults), overrides, reward functions defined in the caller's
-own code, and rows given in memory, through the same start-up checks and loop as `python -m launch.train` (under
-torchrun every rank runs the same script).
+"""Training from Python through the same start-up checks and loop as `python -m launch.train` (under torchrun every
+rank runs the same script): a recipe, overrides, reward functions of the caller's own code, rows in memory.
 
     from launch.api import train
     result = train("launch/configs/demo.yaml", overrides=["trainer.steps=2"], rewards=my_reward, train_rows=rows)

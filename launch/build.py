@@ -1,7 +1,5 @@
-"""Turn a Config into a run, in order of cost: the start-up checks (launch/preflight.py), the scorer, the model
-(sharded under torchrun), the KL reference, optimizer and schedule, the engine and where the batches come from
-(this rank's engine, or the engine ranks of a separate placement), the checkpointer, the log; and the loop to run.
-"""
+"""Turn a Config into a run (`build`): the start-up checks (launch/preflight.py), the scorer, the policy and its KL
+reference, the engine and where the batches come from, the checkpointer and the log, in order of cost."""
 from __future__ import annotations
 
 import json
