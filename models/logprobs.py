@@ -80,8 +80,7 @@ def pack_batch(batch: dict, prompt_index: Tensor | None = None) -> PackedBatch:
     every row its own prompt) once, then each of their completions as a segment that attends to all of the
     prompt's keys and causally to itself; a prompt of one row and its completion as one causal segment. The
     forward then covers U*Lp + sum(T_b) tokens (U distinct prompts) instead of B*(Lp+T). The last token of a
-    completion is only a label (nothing is predicted from it), so it is not packed.
-    """
+    completion is only a label (nothing is predicted from it), so it is not packed."""
     input_ids, attention_mask = batch["input_ids"].cpu(), batch["attention_mask"].cpu()
     completion_mask, prompt_len = batch["completion_mask"].cpu() > 0, int(batch["prompt_len"])
     prompt_lengths = attention_mask[:, :prompt_len].sum(dim=1).tolist()
@@ -242,8 +241,7 @@ class LogprobsFromHidden(torch.autograd.Function):
         logprob(y) = log p_y = z_y - logsumexp(z)        d/dz = onehot(y) - p
         entropy    = -sum_k p_k log p_k                  d/dz = -p * (log p + entropy)
     Each chunk's statistics are the textbook log_softmax(z).gather and -(p * log p).sum, so the values equal
-    the unchunked ones bit for bit; the weight gradient is accumulated in fp32 and cast once at the end.
-    """
+    the unchunked ones bit for bit; the weight gradient is accumulated in fp32 and cast once at the end."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, with_entropy):

@@ -82,8 +82,7 @@ def _rotate(states: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class CPUDecoding:
     """One generate call's forward passes: `prefill` the P prompts once, then `step` one token per live row and
     `keep` the rows that go on. Rows are laid out as the engine numbers them, prompt i's n rows at i*n .. i*n+n-1;
-    per layer the prompts' keys and values are kept once ([P, kv_heads, Lp, head_dim]), each row's in a KVBuffer.
-    """
+    per layer the prompts' keys and values are kept once ([P, kv_heads, Lp, head_dim]), each row's in a KVBuffer."""
 
     def __init__(self, model: torch.nn.Module, prompts: int, n: int, capacity: int):
         self.decoder, self.n = model.get_decoder(), n
