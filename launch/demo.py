@@ -8,9 +8,8 @@ with the `scifact_evidence` reward, and three arms run in turn, as in the SciFac
    every group is flat -- the stall, with its "zero learning signal" warning;
 2. SFT cold start (demo_sft.yaml): teaches the format;
 3. GRPO from the SFT checkpoint (demo.yaml): RL improves on SFT.
-Every arm scores held-out rows (a generator seed of their own) greedily before, during and after training; the
-table gives each mean its 95% interval and each arm its paired difference against its starting checkpoint.
-Writes summary.md, summary.json and curves.png (held-out and training curves of every arm on one figure).
+Every arm scores held-out rows (their own generator seed) greedily before, during and after training; summary.md
+gives each mean its 95% interval and each arm its paired difference to its start (also summary.json, curves.png).
 """
 from __future__ import annotations
 

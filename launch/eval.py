@@ -70,8 +70,7 @@ def read_data(paths: list[str], limit: int | None) -> list[dict]:
 
 
 def reward_sources(records: list[dict]) -> set[str]:
-    """Data sources whose reward can be computed here; the others' reward is left out and said so, not scored
-    as 0 (factqa_corpus needs a corpus index, from extra_info or the environment)."""
+    """Data sources whose reward can be computed here; the others' is left out with a note, not scored as 0."""
     available = set()
     for source in dict.fromkeys(record["data_source"] for record in records):
         try:
@@ -201,8 +200,7 @@ def evaluate_command(argv: list[str]) -> None:
     parser.add_argument("--batch-size", type=int, default=None,
                         help=f"prompts per generate call (default {DEFAULT_BATCH_SIZE}; vllm: all at once)")
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N rows of each file")
-    parser.add_argument("--relaxed", action="store_true", help="label-only parsing for models that ignore the "
-                        "format (SciFact: the label the reply starts with)")
+    parser.add_argument("--relaxed", action="store_true", help="lenient labels: the one a reply starts with (SciFact)")
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     check_positive(args, "limit", "max_new_tokens", "batch_size")

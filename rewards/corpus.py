@@ -4,8 +4,7 @@
     python -m rewards.corpus count --index DIR --head "Marie Curie" --tail "Nobel Prize"
 
 The directory holds infini-gram's v4 files (tokenized.0, offset.0, table.0), vocab.txt (one word per line,
-id = line number) and nanogrpo-index.json (sizes, tokenizer), written last. The tokenizer is ours
-(rewards.cooccurrence); the engine finds each phrase's occurrences.
+id = line number) and nanogrpo-index.json (sizes, tokenizer), written last. The tokenizer is rewards.cooccurrence's.
 
 The token stream is 16-bit (docs/recipes.md, "Corpus counts", says why); ids that do not fit one token take two:
 

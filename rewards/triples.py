@@ -139,8 +139,7 @@ class ModelTripleExtractor:
 def parse_triple(output: object) -> Triple | None:
     """The first valid `head | relation | tail` line (brackets, quotes and a `Triple:` prefix tolerated), or None;
     reading stops at `NONE` or at the next few-shot example (`Sentence:`), so a model that runs on adds nothing.
-    Valid: three non-empty parts of at most 120 characters, head and tail not pronouns, each with a content word.
-    """
+    Valid: three non-empty parts of at most 120 characters, head and tail non-pronouns with a content word."""
     if not isinstance(output, str):
         return None
     for raw_line in output.splitlines():

@@ -106,8 +106,7 @@ def gold_judgment(ground_truth: object) -> str:
 
 
 def verifier_reward(data_source: str, solution_str: str, ground_truth: object, extra_info: dict | None = None) -> dict:
-    """score and correct: 1 when the parsed judgment is on the gold label's side of A versus B/C, else 0; parsed
-    (a judgment was found); judged_a, judged_b, judged_c (one-hot, 0 if unparsed)."""
+    """score and correct (module docstring); parsed (a judgment was found); judged_a/b/c (one-hot, 0 if unparsed)."""
     gold = gold_judgment(ground_truth)
     judged = parse_judgment(solution_str)
     correct = 1.0 if judged is not None and (judged == "A") == (gold == "A") else 0.0
