@@ -151,9 +151,8 @@ class ExternalTokenizer:
 
 
 class CooccurrenceCounter(ABC):
-    """count_cooccurrence over a subclass's `_clause(variants)` and `document_starts` ([D] int64, each
-    document's separator position), with an LRU cache of clauses (the G completions of a prompt repeat words)
-    bounded in positions and entries. semantics: the default window definition; a call may override it."""
+    """count_cooccurrence over a subclass's `_clause(variants)` and `document_starts` ([D] int64, each document's
+    separator position), with an LRU cache of clauses bounded in positions and entries (G completions repeat words)."""
 
     CACHE_ENTRIES = 65_536
     document_starts: np.ndarray
