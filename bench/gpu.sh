@@ -57,10 +57,11 @@ run_part() {  # name limit_seconds args...
   local name=$1 limit=$2
   shift 2
   echo "== $name (limit ${limit} s)"
-  timeout --kill-after=10 "$limit" "$PYTHON" -m "bench.gpu_$name" --out "$PARTS/$name.json" --device "$DEVICE" \
-    ${TINY[@]+"${TINY[@]}"} "$@"
+  # The part's whole process tree ends at the limit (torchrun's workers live in sessions of their own).
+  "$PYTHON" -m bench.gpu_common run "$limit" -- "$PYTHON" -m "bench.gpu_$name" --out "$PARTS/$name.json" \
+    --device "$DEVICE" ${TINY[@]+"${TINY[@]}"} "$@"
   local status=$?
-  if [ $status -eq 124 ] || [ $status -eq 137 ]; then
+  if [ $status -eq 124 ]; then
     echo "FAILED $name: stopped after ${limit} s; the JSON keeps what it measured before"
   elif [ $status -ne 0 ]; then
     echo "FAILED $name: exit status $status (see above); the JSON keeps what it measured"
@@ -70,6 +71,6 @@ run_part() {  # name limit_seconds args...
 RL_LIMIT=${RL_LIMIT_S:-190}
 run_part train "${TRAIN_LIMIT_S:-130}" --peak-tflops "$PEAK"
 run_part rollout "${ROLLOUT_LIMIT_S:-150}" ${NO_VLLM[@]+"${NO_VLLM[@]}"}
-run_part rl "$RL_LIMIT" --run-limit-s $(( (RL_LIMIT - 10) / 3 )) ${NO_VLLM[@]+"${NO_VLLM[@]}"}
+run_part rl "$RL_LIMIT" --limit-s $(( RL_LIMIT - 15 )) ${NO_VLLM[@]+"${NO_VLLM[@]}"}
 "$PYTHON" -m bench.gpu_common merge "$PARTS/train.json" "$PARTS/rollout.json" "$PARTS/rl.json" --out "$OUT"
 echo "total $(( $(date +%s) - STARTED )) s"

@@ -3,13 +3,17 @@ an offline tokenizer, a one-rank process group for FSDP2, peak-memory probes, th
 results file each part writes as it goes (so a part that dies late keeps what it measured).
 
     python -m bench.gpu_common merge PART.json ... --out RESULT.json    # what gpu.sh runs last
+    python -m bench.gpu_common run LIMIT_S -- COMMAND ...               # COMMAND's whole tree ends at the limit
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -231,7 +235,44 @@ def merge(parts: list[str], out: str) -> dict:
     return merged
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (Linux /proc), whatever session or process group it moved to."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, IndexError, ValueError):  # gone meanwhile, or not a process
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+    found, queue = [], [pid]
+    while queue:
+        below = children.get(queue.pop(), [])
+        found += below
+        queue += below
+    return found
+
+
+def run_limited(command: list[str], limit_s: float, **popen_options) -> subprocess.CompletedProcess:
+    """subprocess.run with a time limit that ends the whole process tree, then raises subprocess.TimeoutExpired:
+    torchrun starts its workers in sessions of their own, so killing its agent alone (subprocess.run's timeout,
+    coreutils' timeout) would leave them running and holding the GPU."""
+    process = subprocess.Popen(command, **popen_options)
+    try:
+        stdout, stderr = process.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        for pid in [process.pid, *descendants(process.pid)]:  # all found first: an orphan loses its parent link
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"]:  # run LIMIT_S -- COMMAND ...: COMMAND's exit status, or 124 past the limit
+        try:
+            return run_limited(argv[3:], float(argv[1])).returncode
+        except subprocess.TimeoutExpired:
+            return 124
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_common")
     parser.add_argument("command", choices=("merge",))
     parser.add_argument("parts", nargs="+")

@@ -65,9 +65,11 @@ def run_training(name: str, launcher: list[str], directory: Path, overrides: lis
     run_dir = directory / "runs" / name
     command = [*launcher, "-m", "launch.train", *overrides, f"trainer.out_dir={directory / 'runs'}",
                f"trainer.run_name={name}"]
+    from bench.gpu_common import run_limited
     started = time.perf_counter()
     environment = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    finished = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=limit_s)
+    finished = run_limited(command, limit_s, cwd=ROOT, env=environment, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
     result = {"command": " ".join(command[len(launcher):]), "returncode": finished.returncode,
               "seconds": time.perf_counter() - started, "stderr_tail": finished.stderr[-1500:]}
     metrics_file = run_dir / "metrics.jsonl"
@@ -87,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step (G = 4 completions each)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--run-limit-s", type=float, default=150, help="time limit of each run")
+    parser.add_argument("--limit-s", type=float, default=450,
+                        help="time for all runs; each gets an equal share of what the ones before it left")
     args = parser.parse_args(argv)
     from bench.gpu_common import Results, environment
     device = torch.device(args.device)
@@ -117,12 +120,16 @@ def main(argv: list[str] | None = None) -> int:
         elif importlib.util.find_spec("vllm") is None:
             results.skip("vllm_run", "vLLM is not installed")
         else:
-            runs.append(("vllm_torchrun_1_rank", torchrun, overrides + ["rollout.engine=vllm"]))
-        for name, launcher, run_overrides in runs:
+            # Eager: CUDA-graph capture from a cold cache alone can take a minute.
+            runs.append(("vllm_torchrun_1_rank", torchrun, overrides + ["rollout.engine=vllm",
+                                                                         "rollout.enforce_eager=true"]))
+        deadline = time.monotonic() + args.limit_s
+        for index, (name, launcher, run_overrides) in enumerate(runs):
+            limit_s = (deadline - time.monotonic()) / (len(runs) - index)
             try:
-                result = run_training(name, launcher, directory, run_overrides, args.run_limit_s)
+                result = run_training(name, launcher, directory, run_overrides, limit_s)
             except subprocess.TimeoutExpired:
-                results.error(name, TimeoutError(f"{name} did not finish within {args.run_limit_s:g} s"))
+                results.error(name, TimeoutError(f"{name} did not finish within {limit_s:.0f} s"))
                 continue
             results.record(name, result)
             last = (result.get("steps") or [{}])[-1]

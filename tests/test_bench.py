@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -298,3 +299,24 @@ def test_packed_quick_passes_agree(tmp_path):
     # Each distinct prompt at its own length once, each completion without its last token.
     assert passes["packed"]["tokens"] == sum(settings["prompt_lengths"]) + sum(lengths) - 8
     assert passes["shared"]["tokens"] == 2 * settings["prompt_len"] + 8 * max(lengths)
+
+
+def test_a_part_past_its_limit_ends_with_its_whole_process_tree(tmp_path):
+    """Issue 32, finding 8: torchrun starts its workers in sessions of their own, which coreutils' timeout (and
+    subprocess.run's) leaves running on the GPU; bench/gpu.sh's limit ends every descendant."""
+    pid_file = tmp_path / "grandchild.pid"
+    script = ("import subprocess, sys, time\n"
+              "worker = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+              f"open({str(pid_file)!r}, 'w').write(str(worker.pid))\n"
+              "time.sleep(300)\n")
+    started = time.monotonic()
+    finished = subprocess.run([sys.executable, "-m", "bench.gpu_common", "run", "3", "--", sys.executable, "-c",
+                               script], cwd=ROOT, timeout=120)
+    assert finished.returncode == 124 and time.monotonic() - started < 60
+    worker = int(pid_file.read_text())
+    for _ in range(50):  # SIGKILL is delivered at once; the zombie is reaped by init shortly after
+        if not os.path.exists(f"/proc/{worker}") or " Z " in open(f"/proc/{worker}/stat").read():
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the worker {worker} in its own session is still running")
