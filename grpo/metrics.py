@@ -56,13 +56,11 @@ def step_metrics(batch, rewards: Tensor, group_size: int, updates: list[dict], t
     # dropout (model.lora.dropout, a model's attention dropout): the old logprobs come from an eval-mode pass, as
     # the engines sample, and the update's forward drops units, so the ratio then reads the dropout noise.
     metrics["ratio_first_update"] = trained[0]["ratio_mean"] if trained else float("nan")
-    for key, values in batch.components.items():
-        metrics[f"reward/{key}"] = _nanmean(values)
+    metrics.update({f"reward/{key}": _nanmean(values) for key, values in batch.components.items()})
     if "format" in batch.components:
         metrics["format_rate"] = _nanmean([format_success({"format": v}) for v in batch.components["format"]
                                            if not math.isnan(v)])
-    for key, value in sync_info.items():
-        metrics[key] = float(value)  # sync/seconds, sync/bytes, ...
+    metrics.update({key: float(value) for key, value in sync_info.items()})  # sync/seconds, sync/bytes, ...
     return metrics
 
 
@@ -81,10 +79,7 @@ def reduce_metrics(metrics: dict, dist) -> dict:
     maxes = torch.tensor([metrics[k] for k in max_keys], dtype=torch.float64, device=dist.device)
     maxes = dist.all_reduce_max(torch.where(maxes.isnan(), float("-inf"), maxes))
     maxes = torch.where(maxes == float("-inf"), float("nan"), maxes)  # no rank had a value
-    out = dict(metrics)
-    out.update({k: float(v) for k, v in zip(mean_keys, means.tolist())})
-    out.update({k: float(v) for k, v in zip(max_keys, maxes.tolist())})
-    return out
+    return metrics | dict(zip(mean_keys, means.tolist())) | dict(zip(max_keys, maxes.tolist()))
 
 
 class NoSignalWatch:

@@ -1,7 +1,5 @@
 """The one object that owns a run's progress (the loops see it as grpo.trainer.Checkpoints): where it starts, which
-steps are done, when a checkpoint is written (periodic, final, on a stop request) and what goes into it: the
-weights (HF format, or the LoRA adapter), optimizer, schedule and every rank's data position (models/checkpoint.py).
-"""
+steps are done, and when a checkpoint (models/checkpoint.py) is written: periodic, final, on a stop request."""
 from __future__ import annotations
 
 import shutil

@@ -74,18 +74,13 @@ def _serve(connection, reward: dict, data_sources: list[str], functions: dict) -
         connection.send(("error", f"{type(error).__name__}: {error}", traceback.format_exc()))
         return
     connection.send(("ready", identities, ""))
-    while True:
-        try:
-            call = connection.recv()
-        except EOFError:
-            return
-        if call is None:
-            return
-        try:
-            outcome = ("ok", rewards.compute_score(*call), "")
-        except Exception as error:
-            outcome = ("error", f"{type(error).__name__}: {error}", traceback.format_exc())
-        connection.send(outcome)
+    with contextlib.suppress(EOFError):  # the pool's end of the pipe closed
+        for call in iter(connection.recv, None):
+            try:
+                outcome = ("ok", rewards.compute_score(*call), "")
+            except Exception as error:
+                outcome = ("error", f"{type(error).__name__}: {error}", traceback.format_exc())
+            connection.send(outcome)
 
 
 @dataclass
