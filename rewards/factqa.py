@@ -64,8 +64,7 @@ def parse_aliases(ground_truth: object) -> list[str]:
         values = [value]
     aliases: list[str] = []
     for item in values:
-        items = item if isinstance(item, list) else [item]
-        for alias in items:
+        for alias in item if isinstance(item, list) else [item]:
             if not isinstance(alias, str):
                 raise ValueError(f"field '{field}' must hold strings, got {type(alias).__name__} in "
                                  f"{ground_truth!r:.200}")

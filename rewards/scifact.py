@@ -54,9 +54,7 @@ def evidence_items(block: str | None) -> list[str]:
             item = _ITEM_BULLET.sub("", _ITEM_NUMBER.sub("", item)).strip()
         if item:
             items.append(item)
-    if not items and stripped:
-        items = [stripped]
-    return items
+    return items or ([stripped] if stripped else [])
 
 
 def _parse(ground_truth: object) -> tuple[str, tuple[str, ...], tuple[TokenBag, ...]]:

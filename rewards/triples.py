@@ -111,9 +111,7 @@ class RuleTripleExtractor:
             return None
         head = _pick(before, joined[:relation_index], last=True)
         tail = _pick(after, joined[relation_index + 1:], last=False)
-        if not head or not tail:
-            return None
-        return Triple(" ".join(head), words[relation_index], " ".join(tail))
+        return Triple(" ".join(head), words[relation_index], " ".join(tail)) if head and tail else None
 
 
 class ModelTripleExtractor:
