@@ -100,9 +100,7 @@ def judge_sample(text: str, gold: str, *, finish_reason: str, max_reasoning_toke
         return Verdict("unstructured", judgment=judged)
     if not reasoning:
         return Verdict("empty_reasoning", judgment=judged)
-    if count_tokens(reasoning) > max_reasoning_tokens:
-        return Verdict("overlong", reasoning, judged)
-    return Verdict("kept", reasoning, judged)
+    return Verdict("overlong" if count_tokens(reasoning) > max_reasoning_tokens else "kept", reasoning, judged)
 
 
 @dataclass
