@@ -82,8 +82,6 @@ def _wait(work, source: int, timeout_s: float) -> None:
         raise RuntimeError(f"Timed out after {timeout_s:g} s waiting for a message from rank {source}")
 
 
-# --- The weight path: trainer 0 -> every rollout rank ---------------------------------------------------------
-
 def broadcast_weights(model, group, header: Header, *, bucket_bytes: int, sender: bool,
                       dtype: torch.dtype | None = None) -> dict:
     """Every trainer rank gathers the policy's full tensors (FSDP2) in the engines' `dtype`; trainer 0 broadcasts
@@ -136,8 +134,6 @@ def receive_weights(engine, group, device: torch.device) -> Header:
             engine.update_weights([(name, tensors[name]) for name, _, _ in manifest])
     return header
 
-
-# --- The trainer's side ---------------------------------------------------------------------------------------
 
 class RemoteRollout:
     """A trainer rank's rollout (grpo.groups.Rollout) when the engines run apart: its share of a step's scored
@@ -199,8 +195,6 @@ class RemoteRollout:
         self.messages.clear()
         self._broadcast(Header(stop=True, version=self.version, signal=stop_signal))
 
-
-# --- The engines' side ----------------------------------------------------------------------------------------
 
 def serve(local: LocalRollout, dist: DistInfo) -> int:
     """An engine rank's whole run (the sequence in the module docstring) on its LocalRollout, whose sampler is
