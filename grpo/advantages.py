@@ -184,8 +184,6 @@ def kl_reward_penalty(kl_values: Tensor, mask: Tensor, coef: float) -> Tensor:
     return -coef * (kl_values.detach() * mask.to(kl_values.dtype)).sum(dim=1)
 
 
-# --- The registry: one signature for every estimator, one call (compute_advantages) for the loop ---------------
-
 AllReduceSum = Callable[[Tensor], Tensor]
 WHITEN_EPS = 1e-8  # REINFORCE++'s whitening: (x - mean) * rsqrt(var + 1e-8), verl's masked_whiten
 

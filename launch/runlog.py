@@ -3,6 +3,7 @@ reward, optional TensorBoard and Weights & Biases. Only rank 0 writes; other ran
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -55,11 +56,9 @@ class RunLog:
                                     dir=str(self.run_dir), config=settings, resume="allow")
         self.bar = tqdm(total=cfg.trainer.steps, initial=start_step, desc=cfg.stage, dynamic_ncols=True,
                         file=sys.stderr)
-        try:  # optional: only when installed
+        with contextlib.suppress(Exception):  # optional: only when installed
             from torch.utils.tensorboard import SummaryWriter
             self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"))
-        except Exception:
-            pass
 
     def metrics(self, step: int, metrics: dict, postfix_keys: tuple[str, ...] = ("reward_mean",)) -> None:
         if not self.enabled:
