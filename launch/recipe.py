@@ -19,16 +19,11 @@ from grpo.config import Config, ConfigError
 def _coerce(value, tp, key: str):
     """Check `value` against the annotation `tp`; ints are accepted for floats. Raises ConfigError."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
+    if origin in (typing.Union, types.UnionType):  # the schema's unions are all `X | None`
+        if value is None:
             return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(value, arg, key)
-            except ConfigError as error:
-                errors.append(str(error))
-        raise ConfigError(errors[0])
+        [tp] = [arg for arg in args if arg is not type(None)]
+        return _coerce(value, tp, key)
     if origin is list:
         if isinstance(value, str) and args[0] is str:
             value = [value]  # data.train_files=/path.jsonl: a one-file list
