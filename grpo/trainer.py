@@ -58,7 +58,6 @@ def _expire(what: Callable[[], str], limit: str) -> None:
     print(f"error: {what()} did not finish within {limit}: ending the run (exit code {EXIT_STALLED}); the stack "
           "of every thread follows", file=sys.stderr, flush=True)
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    sys.stderr.flush()
     os._exit(EXIT_STALLED)  # the stalled thread cannot be unwound; checkpoints already written stay complete
 
 
