@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo.config import Config, ConfigError, check
+from launch.memory import estimate
 from models.loading import choose_attention, flash_attn_installed
 from rollout.vllm_engine import SLEEP_LEVEL, WORKER_EXTENSION, visible_device
 
@@ -204,8 +205,10 @@ def rollout_devices(cfg: Config, target: Target) -> dict[str, str] | None:
     return {str(rank): visible_device(rank, None) for rank in placement(cfg, target)["rollout_ranks"]}
 
 
-def run_plan(cfg: Config, target: Target, model_path: str = "<model directory>") -> dict:
-    """The whole plan as one JSON-able object (what --dry-run prints); checked first (check_plan)."""
+def run_plan(cfg: Config, target: Target, model_path: str = "<model directory>", model_config: dict | None = None,
+             gpu_gib: float | None = None) -> dict:
+    """The whole plan as one JSON-able object (what --dry-run prints); checked first (check_plan). With the model's
+    config.json, the per-GPU memory estimate (launch.memory), checked against gpu_gib where given."""
     check_plan(cfg, target)
     plan = {"target": {"device": target.device, "world_size": target.world_size, "flash_attn": target.flash_attn,
                        "torchrun": target.sharded},
@@ -220,4 +223,5 @@ def run_plan(cfg: Config, target: Target, model_path: str = "<model directory>")
         plan["batch"] = step_batch(cfg, shares)
     if cfg.rollout.engine == "vllm":
         plan["vllm"] = vllm_arguments(cfg, target, model_path)
+    plan["memory"] = estimate(cfg, plan, model_config, gpu_gib) if model_config is not None else None
     return plan

@@ -17,7 +17,8 @@ import yaml
 import rewards
 from data.rows import numbered_rows, validate_row
 from grpo.config import Config, ConfigError, resume_differences, startup_warnings
-from launch.plan import Target, check_plan
+from launch.memory import GIB, check_fit, read_model_config
+from launch.plan import Target, check_plan, run_plan
 from models import load_tokenizer, render_prompt, resolve_model_dir
 from models.checkpoint import check_files, complete_checkpoints
 from rewards.corpus import check_index
@@ -183,7 +184,8 @@ class Prepared:
 def prepare(cfg: Config, dist, *, rows: list[dict] | None = None, eval_rows: list[dict] | None = None) -> Prepared:
     """The checks for this machine and world size; rows / eval_rows: in memory instead of data.*_files."""
     whole = len(dist.links.trainer_ranks) + len(dist.links.rollout_ranks) if dist.links else dist.world_size
-    check_plan(cfg, Target.here(whole, torchrun=dist.distributed))
+    target = Target.here(whole, torchrun=dist.distributed)
+    check_plan(cfg, target)
     check_versions(cfg)
     _check_environment(cfg)
     if rows is None and not cfg.data.train_files:
@@ -208,10 +210,13 @@ def prepare(cfg: Config, dist, *, rows: list[dict] | None = None, eval_rows: lis
     source = cfg.init_from or cfg.model.name_or_path
     key = "init_from" if cfg.init_from else "model.name_or_path"
     try:
-        resolve_model_dir(source)  # a missing path or a directory without weights fails here, by name
+        model_dir = resolve_model_dir(source)  # a missing path or a directory without weights fails here, by name
         tokenizer = load_tokenizer(source, trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError) as error:
         raise ConfigError(f"{key}: {error}") from None
+    if target.device == "cuda" and (model_dir / "config.json").is_file():  # memory from config.json, no weights
+        gpu_gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIB
+        check_fit(run_plan(cfg, target, str(model_dir), read_model_config(model_dir), gpu_gib)["memory"])
     train, prompt_ids = _tokenize_prompts(cfg, tokenizer, train, notes)
     if not train:
         raise ConfigError(f"data.filter_overlong_prompts: no training row has a prompt of at most "

@@ -1,7 +1,8 @@
 """The one entry point for SFT and RL (GRPO / DAPO / Dr. GRPO / process-reward GRPO), one process or torchrun.
 
     python -m launch.train --config launch/configs/demo.yaml [key.sub=value ...] [--resume] [--dry-run]
-    python -m launch.train --config launch/configs/veriseek_grpo.yaml --dry-run --device cuda --world-size 8
+    python -m launch.train --config launch/configs/veriseek_grpo.yaml --dry-run --device cuda --world-size 8 \
+        --gpu-memory-gib 80 --model-config tests/data/models/qwen3-4b/config.json   # + per-GPU memory
     torchrun --nproc_per_node=8 -m launch.train --config launch/configs/veriseek_grpo.yaml
     torchrun --nproc_per_node=8 --max-restarts=3 -m launch.train ... trainer.resume=auto   # a dead rank restarts
     torchrun --nnodes=2 --node_rank=$RANK --rdzv_endpoint=$HOST:29500 --nproc_per_node=8 -m launch.train ...
@@ -30,6 +31,8 @@ from grpo.config import Config, ConfigError, startup_warnings
 from grpo.trainer import StepFailed
 from launch.build import build, build_scorer
 from launch.dist import CollectiveFailed, DistInfo, exit_rank, init_distributed, shutdown
+from launch.memory import GIB, check_fit, read_model_config
+from launch.memory import describe as describe_memory
 from launch.plan import Target, check_plan, describe_batch, run_plan
 from launch.preflight import prepare
 from launch.recipe import load_config
@@ -49,6 +52,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="--dry-run: plan for this many torchrun ranks (default: this launch's)")
     parser.add_argument("--no-flash-attn", action="store_true",
                         help="--dry-run --device cuda: plan for a node without flash-attn")
+    parser.add_argument("--gpu-memory-gib", type=float, default=None,
+                        help="--dry-run: check the memory estimate against GPUs of this size (default: this GPU's)")
+    parser.add_argument("--model-config", default=None,
+                        help="--dry-run: the model's config.json for the memory estimate, where the recipe's model is "
+                             "not a local directory")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. optim.lr=1e-6")
     return parser.parse_args(argv)
 
@@ -164,12 +172,25 @@ def _dry_run(cfg: Config, dist: DistInfo, args: argparse.Namespace) -> None:
     else:
         check_plan(cfg, target)
         warnings, summary = startup_warnings(cfg), f"ok: settings checked for {target.device} x {target.world_size}"
-    plan = run_plan(cfg, target, model)
+    config_path = Path(args.model_config or Path(model) / "config.json")  # for the memory estimate
+    if args.model_config and not config_path.is_file():
+        raise ConfigError(f"--model-config: file not found: {config_path}")
+    model_config = read_model_config(config_path) if config_path.is_file() else None
+    gpu_gib = args.gpu_memory_gib or (torch.cuda.get_device_properties(0).total_memory / GIB
+                                      if target.device == "cuda" and torch.cuda.is_available() else None)
+    plan = run_plan(cfg, target, model, model_config, gpu_gib)
     if dist.is_main:
         print(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
         for warning in warnings:
             print(f"WARNING: {warning}", file=sys.stderr)
+        if plan["memory"] is None:
+            print(f"NOTE: no memory estimate: {model} has no config.json here (pass --model-config PATH)",
+                  file=sys.stderr)
+        else:
+            print(describe_memory(plan["memory"]))
         print(summary + (f"; {describe_batch(plan['batch'])}" if plan["batch"] else ""))
+    check_fit(plan["memory"])
+    if dist.is_main:
         print(json.dumps(plan))
 
 

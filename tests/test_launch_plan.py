@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from grpo.config import ConfigError
+from launch.memory import read_model_config
 from launch.recipe import load_config
 from launch.plan import CUDA_VLLM_CYCLE, Target, check_plan, run_plan, tp_groups
 
@@ -37,12 +38,21 @@ def _targets(cfg):
     return out
 
 
+# The config.json each recipe's model has (tests/data/models, written from the published architectures): the memory
+# estimate of every pinned plan, checked against 80 GiB GPUs on CUDA targets.
+MODEL_CONFIGS = {None: "smollm2-135m", "Qwen/Qwen3-4B-Thinking-2507": "qwen3-4b", "Qwen/Qwen3-4B-Base": "qwen3-4b",
+                 "Qwen/Qwen2.5-3B-Instruct": "qwen2.5-3b"}
+MODELS = Path(__file__).resolve().parent / "data" / "models"
+
+
 def all_plans() -> dict:
     plans = {}
     for recipe in RECIPES:
         for name, target, overrides in _targets(load_config(CONFIGS / f"{recipe}.yaml")):
             cfg = load_config(CONFIGS / f"{recipe}.yaml", overrides)
-            plans[f"{recipe}@{name}"] = run_plan(cfg, target)
+            model = read_model_config(MODELS / MODEL_CONFIGS[cfg.model.name_or_path])
+            plans[f"{recipe}@{name}"] = run_plan(cfg, target, model_config=model,
+                                                 gpu_gib=80 if target.device == "cuda" else None)
     return plans
 
 
