@@ -251,7 +251,7 @@ def _in_process(tmp_path, model_dir, run_name, steps, *extra):
     from launch.dist import DistInfo
     from launch.train import parse_args, run
     args = parse_args(_command(tmp_path, model_dir, run_name, steps=steps, extra=extra)[3:])
-    return run(load_config(None, args.overrides), DistInfo(), resume=args.resume)
+    return run(load_config(None, args.overrides + (["trainer.resume=always"] if args.resume else [])), DistInfo())
 
 
 def test_failed_evaluation_ends_the_run_naming_the_step_and_keeps_the_checkpoint(tmp_path, tiny_model_dir, monkeypatch):
