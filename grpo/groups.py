@@ -22,6 +22,8 @@ class PromptSampler:
     advantages need no collective). `position` (prompts consumed) is all the state a resumed run needs."""
 
     def __init__(self, num_rows: int, *, seed: int, rank: int = 0, world_size: int = 1, shuffle: bool = True):
+        if num_rows < world_size:
+            raise ValueError(f"{num_rows} training rows cannot feed {world_size} ranks")
         self.num_rows, self.seed, self.rank, self.world_size, self.shuffle = num_rows, seed, rank, world_size, shuffle
         self.position = 0
 
