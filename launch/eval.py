@@ -5,9 +5,8 @@
     python -m launch.eval --model default --data dev.jsonl --out eval/base --relaxed --limit 100
     python -m launch.eval compare eval/base runs/demo/eval_sft runs/demo/eval_grpo --out table.md
 
---model: a model directory, a run directory (its latest complete checkpoint), "default" (the embedded
-SmolLM2-135M-Instruct) or an org/name in the local Hugging Face cache. OUT gets metrics.json, predictions.jsonl
-(a line per row: prompt, completion, reward, parsed fields) and report.md; completion_tokens counts the eos token.
+OUT gets metrics.json, predictions.jsonl (a line per row: prompt, completion, reward, parsed fields) and
+report.md; completion_tokens counts the eos token.
 """
 from __future__ import annotations
 
@@ -193,7 +192,8 @@ def engine_from_args(args: argparse.Namespace, model_dir: Path | None) -> tuple[
 def evaluate_command(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m launch.eval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="model directory, run directory, 'default', or org/name")
+    parser.add_argument("--model", required=True, help="model directory, run directory (its latest complete "
+                        "checkpoint), 'default' (the embedded SmolLM2-135M-Instruct), or org/name (local HF cache)")
     parser.add_argument("--data", required=True, action="append", help="rows file (.jsonl/.parquet); repeatable")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--max-new-tokens", type=int, default=256)

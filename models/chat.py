@@ -10,8 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 
 def render_prompt(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
-    """The prompt's token ids: the chat template applied to `messages` ([{"role": "system" | "user" | "assistant",
-    "content": str}, ...], e.g. a data row's "prompt") with the assistant generation prompt."""
+    """The prompt's token ids: the chat template on `messages` (a data row's "prompt") and the generation prompt."""
     if isinstance(messages, (str, bytes)) or len(messages) == 0:
         raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.200}")
     for index, message in enumerate(messages):

@@ -2,12 +2,7 @@
 
 A reward function has verl's signature `fn(data_source, solution_str, ground_truth, extra_info=None)` and
 returns a float, or a dict with "score" (float), optionally "sentences" ([(char_start, char_end, reward)]
-over solution_str) and named float components. Registered here:
-
-    scifact_evidence  rewards.scifact.scifact_evidence_reward  score in [0, 1]; format, answer, evidence, conciseness
-    evidence_qa       rewards.scifact.evidence_qa_reward       score in [0, 1]; format, answer_f1, evidence, conciseness
-    verifier          rewards.verifier.verifier_reward         score 0/1; correct, parsed, judged_a, judged_b, judged_c
-    factqa_corpus     rewards.factqa.factqa_corpus_reward      score in {-2, 0, 1, 3}; sentences; judge, format, ...
+over solution_str) and named float components. The shipped ones are registered at the end of this file.
 
 Add your own with `register("name", fn)` or `@register("name")`, or name one by path wherever a
 data_source is expected: "package.module.function", "package.module:function" or "path/to/file.py:function".
