@@ -127,8 +127,8 @@ def estimate(cfg: Config, plan: dict, model: dict, gpu_gib: float | None = None)
              "gathered": (2 * counts["layer"] + counts["embedding"] + counts["head"]) * compute if sharded
              else counts["total"] * compute * (compute != master),
              "activations": activations(model, compute, tokens, ckpt),
-             # one chunk's fp32 blocks, and lm_head's gradient, which the chunks accumulate in fp32 (not under LoRA)
-             "logits": cfg.model.logprob_chunk_size * s["vocab"] * 4 * LOGITS_FACTOR
+             # one chunk's fp32 blocks (at most a micro-batch's positions), and lm_head's fp32 gradient (not LoRA)
+             "logits": min(cfg.model.logprob_chunk_size, tokens) * s["vocab"] * 4 * LOGITS_FACTOR
              + s["vocab"] * s["hidden"] * 4 * (not lora.enabled)}
     roles = {}
     for role in ["trainer"] + ["rollout"] * (cfg.rollout.placement == "separate"):
