@@ -152,7 +152,8 @@ def estimate(cfg: Config, plan: dict, model: dict, gpu_gib: float | None = None)
         total, phase, role, terms = max(over, key=lambda item: item[0])
         largest = max((name for name in terms if name != "total"), key=terms.get)
         advice = ADVICE.get(largest, SHARDED_ADVICE)
-        advice = f"set model.gradient_checkpointing=true or {advice}" if largest == "activations" and not ckpt else advice
+        if largest == "activations" and not ckpt:
+            advice = f"set model.gradient_checkpointing=true or {advice}"
         memory["refusal"] = (f"{phase} on {role} ranks needs {total:.1f} GiB of {gpu_gib:g}: {largest} "
                              f"{terms[largest]:.1f} GiB is the largest term; {advice}")
     return memory
@@ -174,4 +175,7 @@ def describe(memory: dict) -> str:
             cells = "".join(f"{terms_of[phase][name]:>12.2f}" if name in terms_of[phase] else f"{'-':>12}"
                             for phase in phases)
             lines.append(f"  {role + ' ranks: ' + name:<42}{cells}")
+    if not memory["gpu_gib"] and any("vllm" in terms for phases in memory["roles"].values() for terms in
+                                     phases.values()):
+        lines.append("  (vllm: its weights only; awake on a GPU it holds gpu_memory_utilization x the GPU's memory)")
     return "\n".join(lines)

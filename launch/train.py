@@ -172,7 +172,8 @@ def _dry_run(cfg: Config, dist: DistInfo, args: argparse.Namespace) -> None:
     else:
         check_plan(cfg, target)
         warnings, summary = startup_warnings(cfg), f"ok: settings checked for {target.device} x {target.world_size}"
-    config_path = Path(args.model_config or Path(model) / "config.json")  # for the memory estimate
+    config_path = Path(args.model_config or model)  # the model's config.json (or its directory): memory estimate
+    config_path = config_path / "config.json" if config_path.is_dir() else config_path
     if args.model_config and not config_path.is_file():
         raise ConfigError(f"--model-config: file not found: {config_path}")
     model_config = read_model_config(config_path) if config_path.is_file() else None
