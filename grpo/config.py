@@ -355,8 +355,6 @@ class Config(Section):
         return self.trainer.eval_max_new_tokens or self.rollout.max_new_tokens
 
 
-# --- The rules that relate settings -------------------------------------------------------------------------
-
 # What a resume may change without naming it in trainer.resume_changes: how the run is executed, evaluated, logged
 # and checkpointed, and its length; every other setting defines what the checkpoint's run trains.
 RESUME_FREE = ("trainer.steps", "trainer.resume", "trainer.resume_changes", "trainer.resume_fallback",

@@ -128,11 +128,10 @@ def _cispo_token_loss(logprobs: Tensor, ratio: Tensor, advantages: Tensor, algo:
 
 
 _TOKEN_LOSSES = {"ppo": _ppo_token_loss, "cispo": _cispo_token_loss}  # one per grpo.config.POLICY_LOSSES
-DEFAULT = AlgorithmConfig()
 
 
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                algo: AlgorithmConfig = DEFAULT, *, denominator: Tensor | float | None = None,
+                algo: AlgorithmConfig = AlgorithmConfig(), *, denominator: Tensor | float | None = None,
                 max_len: int | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """The policy-gradient term (algo.policy_loss per token, times the detached truncated-IS `is_weights`) of
     logprobs and old_logprobs [B, T], advantages [B] or [B, T], mask [B, T], aggregated (algo.agg).

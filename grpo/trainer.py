@@ -175,18 +175,14 @@ def train_rl(parts: Parts, dist) -> dict:
         for warning in watch.update(metrics, step + 1):
             log.warn(warning)
         log.metrics(step + 1, metrics, postfix_keys=("reward_mean", "acc", "format_rate"))
-        log.samples(step + 1, first_group_samples(batch, prepared.rewards, cfg.rollout.n))
+        log.samples(step + 1, [  # the step's first group, for samples.jsonl
+            {"prompt": row["prompt"][-1]["content"], "completion": c.text, "reward": float(r), "correct": float(ok),
+             "finish_reason": c.finish_reason}
+            for c, r, ok, row in zip(batch.completions[:cfg.rollout.n], prepared.rewards, batch.correct, batch.rows)])
         if parts.checkpoints.end_step(step + 1):  # a stop request: stop at a step boundary (consistent state)
             break
     parts.checkpoints.finish()
     return {"final": metrics, **results}
-
-
-def first_group_samples(batch, rewards, group_size: int) -> list[dict]:
-    """The first group of a step, for samples.jsonl."""
-    return [{"prompt": row["prompt"][-1]["content"], "completion": c.text, "reward": float(r), "correct": float(ok),
-             "finish_reason": c.finish_reason}
-            for c, r, ok, row in zip(batch.completions[:group_size], rewards, batch.correct, batch.rows)]
 
 
 def train_sft(parts: Parts, dist) -> dict:

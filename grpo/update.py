@@ -157,14 +157,6 @@ def all_rows(pass_fn: Callable[[dict], Tensor], mini_batches: list[MiniBatch], s
     return out
 
 
-def needs_old_pass(cfg: Config, model: torch.nn.Module) -> bool:
-    """Whether the old logprobs need a pass of their own: several optimizer steps per rollout, the KL in the
-    reward (it needs them before the update), or dropout (the update's pass would differ from the engines')."""
-    algo = cfg.algorithm
-    one_update = algo.ppo_epochs == 1 and algo.ppo_mini_batch_size in (None, cfg.trainer.prompts_per_step)
-    return not one_update or algo.kl_in_reward or dropout_active(model)
-
-
 def reference_logprobs(parts, inputs: dict) -> Tensor:
     """The KL reference's logprobs of one micro-batch: the frozen starting model, or with LoRA the policy with its
     adapters disabled (parts.reference is then the policy module itself), computed as the policy's are."""
@@ -184,9 +176,12 @@ def prepare(parts, batch: Batch, dist) -> Prepared:
     mini_batches = plan_update(batch.completions, batch.mask, cfg, dist.world_size, parts.pad_id,
                                all_reduce_sum=to_device(dist.all_reduce_sum),
                                all_reduce_max=to_device(dist.all_reduce_max))
+    # The old logprobs need a pass of their own with several optimizer steps per rollout, the KL in the reward (it
+    # needs them before the update), or dropout (the update's pass would differ from the engines').
+    one_update = algo.ppo_epochs == 1 and algo.ppo_mini_batch_size in (None, cfg.trainer.prompts_per_step)
     with torch.no_grad(), evaluating(model):
         old = None
-        if needs_old_pass(cfg, model):
+        if not one_update or algo.kl_in_reward or dropout_active(model):
             old = all_rows(lambda inputs: logprob_pass(model, cfg, parts.vocab_size, inputs)[0], mini_batches,
                            batch.mask.shape)
         ref = None

@@ -4,6 +4,7 @@ types fail here, each section then checks its choices and ranges; every error na
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import difflib
@@ -34,13 +35,9 @@ def _coerce(value, tp, key: str):
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
         return {_coerce(k, args[0], key): _coerce(v, args[1], f"{key}.{k}") for k, v in value.items()}
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):
-        try:  # YAML 1.1 reads 3e-6 (no dot) as a string
+    if tp is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+        with contextlib.suppress(ValueError):  # YAML 1.1 reads 3e-6 (no dot) as a string
             return float(value)
-        except ValueError:
-            pass
     if tp in (int, float, str, bool) and (type(value) is not tp):
         raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r} ({type(value).__name__})")
     return value
