@@ -191,11 +191,9 @@ def _seal(partial: Path, final: Path, step: int, state: dict) -> None:
 def save_checkpoint(directory: str | os.PathLike, model: torch.nn.Module, tokenizer,
                     optimizer: torch.optim.Optimizer | None, step: int, extra: dict | None = None, *,
                     merged_export: bool = False) -> Path:
-    """Write a complete checkpoint to `directory` (e.g. runs/x/checkpoints/step_10); every rank must call it.
-
-    extra: JSON-serialisable trainer state (data position, scheduler state, ...), returned by load_checkpoint.
-    merged_export: for a LoRA model, also write the merged model to merged/.
-    A write that fails on any rank raises CheckpointWriteError on every rank."""
+    """Write a complete checkpoint to `directory` (e.g. runs/x/checkpoints/step_10); every rank must call it, and a
+    write that fails on any rank raises CheckpointWriteError on every rank. extra: JSON-serialisable trainer state
+    (data position, ...), returned by load_checkpoint; merged_export: a LoRA model's merged model to merged/ too."""
     final = Path(directory)
     partial = final.parent / f".{final.name}.partial"
     adapter = lora.is_lora(model)
@@ -248,8 +246,7 @@ def _write_error(final: Path, what: str, failure: tuple[int, str], model, optimi
 
 
 def complete_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """(step, directory) of every complete `step_<n>` under run_dir/checkpoints (or run_dir itself when it has no
-    checkpoints/ folder), by step. Partial saves are never listed."""
+    """(step, directory) of every complete `step_<n>` under run_dir/checkpoints (else run_dir itself), by step."""
     root = Path(run_dir)
     if (root / "checkpoints").is_dir():
         root = root / "checkpoints"
@@ -266,8 +263,7 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
 
 
 def check_files(directory: Path) -> dict:
-    """The marker, and every file it lists with the size and CRC-32 it was written with; returns the trainer
-    state. Raises the first problem found, naming the file."""
+    """Check the marker and every file it lists (size and CRC-32 as written); returns the trainer state."""
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
     if not (directory / MARKER).is_file():
@@ -320,8 +316,7 @@ def _verify(directory: Path, model: torch.nn.Module, optimizer) -> None:
 def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None) -> tuple[int, dict]:
     """Restore the weights (a LoRA model: its adapter), optimizer state and RNG states from `directory` into a
-    model prepared as for training (sharded or not; apply_lora with the same settings); return (step, extra).
-    Every rank must call it. A damaged checkpoint raises before the model or optimizer is changed."""
+    model prepared as for training (sharded or not; apply_lora with the same settings); every rank calls it."""
     directory = Path(directory)
     error = None
     if fsdp.rank() == 0:
