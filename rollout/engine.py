@@ -19,22 +19,16 @@ from torch import Tensor
 
 @dataclass
 class Completion:
-    """One sampled completion of one prompt.
-
-    completion_ids: [T] the sampled token ids (end-of-sequence or stop-completing token included).
-    text:           decode(completion_ids, skip_special_tokens=True); see the module docstring.
-    logprobs:       [T] log-probability of each token under the distribution it was sampled from:
-                    log_softmax(logits / temperature), renormalised over the top-k/top-p set when those truncate
-                    (the trainer's temperature-only recomputation then differs by the log of the kept mass);
-                    with temperature 0 (greedy), log_softmax(logits).
-    finish_reason:  "stop" (end-of-sequence token or stop string) or "length" (max_new_tokens or the context).
-    """
+    """One sampled completion of one prompt."""
 
     prompt_ids: list[int]
-    completion_ids: list[int]
-    text: str
+    completion_ids: list[int]  # [T] the sampled token ids, end-of-sequence or stop-completing token included
+    text: str  # decode(completion_ids, skip_special_tokens=True): the module docstring's text rule
+    # [T] log-probability of each token under the distribution it was sampled from: log_softmax(logits /
+    # temperature), renormalised over the top-k/top-p set when those truncate (the trainer's temperature-only
+    # recomputation then differs by the log of the kept mass); with temperature 0 (greedy), log_softmax(logits).
     logprobs: list[float]
-    finish_reason: str
+    finish_reason: str  # "stop" (end-of-sequence token or stop string) or "length" (max_new_tokens or the context)
 
 
 @runtime_checkable
@@ -125,8 +119,7 @@ def completion_text(tokenizer, completion_ids: Sequence[int]) -> str:
 
 @contextmanager
 def oom_explained(batch_size: int, max_new_tokens: int):
-    """Re-raise an out-of-memory error of generation (CUDA's OutOfMemoryError, or the CPU allocator's failure, a
-    plain RuntimeError) with the batch size and what to do about it."""
+    """Re-raise generation's out of memory (CUDA's OutOfMemoryError, the CPU's RuntimeError) with what to do."""
     try:
         yield
     except RuntimeError as error:

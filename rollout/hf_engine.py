@@ -160,9 +160,8 @@ class TransformersDecoding:
 
 
 def truncate_logits(logits: Tensor, top_p: float, top_k: int) -> Tensor:
-    """A copy of logits ([A, V] float32, divided by the temperature) with -inf on every logit outside the top-k set
-    and outside the smallest top-p nucleus. top_k 0 and top_p 1.0 keep everything; the most likely token is always
-    kept."""
+    """A copy of logits ([A, V] float32, divided by the temperature) with -inf outside the top-k set and outside
+    the smallest top-p nucleus; top_k 0 and top_p 1.0 keep everything, and the most likely token always stays."""
     if 0 < top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))

@@ -76,8 +76,7 @@ def updating_weights(engine):
 def sync_weights(model, engine, *, bucket_bytes: int, dtype: torch.dtype | None = None) -> dict[str, float]:
     """Push the policy's current weights, LoRA adapters merged, into `engine` in `update_weights` calls of about
     `bucket_bytes` (larger: fewer calls; smaller: less extra memory), gathered in the engine's `dtype` (None: as
-    stored; the engine would cast them to its own on load anyway). Returns sync/seconds (wall time, gathers
-    included), sync/load_seconds (inside the engine), sync/bytes, sync/buckets and sync/max_bucket_bytes."""
+    stored; the engine would cast them to its own on load anyway). Returns the sync/* metrics below."""
     start, load_seconds, sizes = time.perf_counter(), 0.0, []
     with updating_weights(engine):
         for bucket in bucketed(merged_state_dict(model, dtype), bucket_bytes):

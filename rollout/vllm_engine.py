@@ -69,8 +69,7 @@ class VLLMEngine:
     def __init__(self, arguments: dict):
         model_path = Path(arguments["model"]).expanduser()
         # In process, collective_rpc runs our reload function on the worker without pickling the weights (the
-        # external launcher forces this too). With WeightReload (a separate placement's rollout rank, whose torchrun
-        # world vLLM must not join: launch.plan) the engine core runs in a process and world of its own.
+        # external launcher forces this too); with WeightReload the engine core runs in a process and world of its own.
         self.in_process = arguments.get("worker_extension_cls") != WORKER_EXTENSION
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
         self.cpu_tensor_parallel = (not arguments.get("enable_sleep_mode")
@@ -190,8 +189,7 @@ class VLLMEngine:
             self.asleep.discard(tag)
 
     def close(self) -> None:
-        """Release the engine (its KV cache and weights) at the end of a run, and the shared-memory segments
-        of a CPU tensor-parallel group."""
+        """Release the engine's KV cache and weights, and a CPU tensor-parallel group's shared memory."""
         self.llm = None
         if self.cpu_tensor_parallel:
             _remove_cpu_shm_segments()
