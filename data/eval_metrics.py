@@ -165,11 +165,10 @@ def summarize(scored: Iterable[dict]) -> dict[str, dict]:
         metrics: dict = {"count": count}
         if source in TASK_METRICS:
             metrics.update(TASK_METRICS[source](records))
-        if all(record.get("reward") is not None for record in records):
-            metrics["reward_mean"] = sum(record["reward"] for record in records) / count
-        if all(record.get("finish_reason") is not None for record in records):
-            metrics["truncation_rate"] = sum(record["finish_reason"] == "length" for record in records) / count
-        if all(record.get("completion_tokens") is not None for record in records):
-            metrics["completion_tokens_mean"] = sum(record["completion_tokens"] for record in records) / count
+        for name, key, value in (("reward_mean", "reward", float),
+                                 ("truncation_rate", "finish_reason", lambda reason: reason == "length"),
+                                 ("completion_tokens_mean", "completion_tokens", int)):
+            if all(record.get(key) is not None for record in records):
+                metrics[name] = sum(value(record[key]) for record in records) / count
         summary[source] = metrics
     return summary

@@ -3,8 +3,6 @@ eval_comparison.png, a bar per model, written into --out.
 
     python -m launch.plot runs/demo/sft runs/demo/grpo --out runs/demo/plots
     python -m launch.plot runs/demo/grpo runs/demo/eval_base runs/demo/eval_grpo
-
-Each directory is a run (metrics.jsonl, eval.json's held-out before/after) or a launch.eval output (metrics.json).
 """
 from __future__ import annotations
 
@@ -158,11 +156,9 @@ def plot_runs(directories: list[str], out: Path) -> list[Path]:
             raise FileNotFoundError(f"{path}: no metrics.jsonl, eval.json or metrics.json (neither a run "
                                     "directory nor a launch.eval output)")
     out.mkdir(parents=True, exist_ok=True)
-    written = []
-    if training_curves(runs, out / "training_curves.png"):
-        written.append(out / "training_curves.png")
-    if evaluation_bars(evaluations, out / "eval_comparison.png"):
-        written.append(out / "eval_comparison.png")
+    drawings = ((training_curves, runs, out / "training_curves.png"),
+                (evaluation_bars, evaluations, out / "eval_comparison.png"))
+    written = [path for draw, data, path in drawings if draw(data, path)]
     if not written:
         raise ValueError(f"nothing to plot in {', '.join(map(str, paths))}: no known metric keys and no evaluations")
     return written
@@ -172,7 +168,8 @@ def plot_runs(directories: list[str], out: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.plot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("directories", nargs="+", help="run directories and/or launch.eval output directories")
+    parser.add_argument("directories", nargs="+", help="run directories (metrics.jsonl, eval.json's held-out "
+                        "before/after) and/or launch.eval output directories (metrics.json)")
     parser.add_argument("--out", default=None, help="output directory (default: DIR/plots for one DIR, else ./plots)")
     args = parser.parse_args(argv)
     out = Path(args.out) if args.out else (Path(args.directories[0]) / "plots" if len(args.directories) == 1
