@@ -120,7 +120,6 @@ class DistillReport:
                 "by_reason": dict(self.counts), "kept_by_label": dict(self.kept_by_label)}
 
     def format(self) -> str:
-        """Totals, then each reason with its count and share of all samples."""
         total = max(sum(self.counts.values()), 1)
         lines = [f"{self.examples} examples x {self.samples_per_example} samples: {self.counts['kept']} kept "
                  f"({self.examples_with_kept} examples with at least one); kept by gold label {self.kept_by_label}"]

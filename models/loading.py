@@ -150,7 +150,6 @@ def load_tokenizer(name_or_path: str | os.PathLike | None = None, *, trust_remot
 
 
 def cache_root() -> Path:
-    """$NANOGRPO_CACHE, else $XDG_CACHE_HOME/nanogrpo, else ~/.cache/nanogrpo."""
     if os.environ.get("NANOGRPO_CACHE"):
         return Path(os.environ["NANOGRPO_CACHE"]).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")

@@ -44,7 +44,6 @@ def register(data_source: str, fn: RewardFn | None = None, *, overwrite: bool = 
 
 
 def registered() -> list[str]:
-    """Registered data_source names, sorted."""
     return sorted(_REGISTRY)
 
 
