@@ -1,8 +1,10 @@
 """Model and tokenizer loading: the embedded default (converted once into the user cache), chat formatting,
 the atomic conversion cache, attention selection, the tiny test model, and every bad-input message."""
 import json
+import sys
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -108,6 +110,7 @@ def test_attention_auto_choice(monkeypatch):
     assert resolve_attn_implementation("auto", "cpu") == "sdpa"
     assert resolve_attn_implementation("eager", "cpu") == "eager"
     monkeypatch.setattr("models.loading.importlib.util.find_spec", lambda name: object() if name == "flash_attn" else None)
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=None))  # imports
     assert resolve_attn_implementation("auto", "cuda", "bfloat16") == "flash_attention_2"
     assert resolve_attn_implementation("auto", "cuda") == "sdpa"  # fp32 compute: flash-attn refuses it
     assert resolve_attn_implementation("auto", "cpu") == "sdpa"
