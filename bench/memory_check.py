@@ -1,18 +1,20 @@
 """The memory estimate (launch/memory.py) against a measurement: one RL step of the embedded SmolLM2-135M on CPU.
 
-    python -m bench.memory_check                 # 2 prompts x G=4, 48 new tokens (no early EOS), one step
+    python -m bench.memory_check                 # 2 prompts x G=4, 48 new tokens (no early EOS), two steps
     python -m bench.memory_check --new-tokens 128 --out bench/results/memory_check.json
 
-The step is the real trainer's (bench.step.run_steps: launch.build + grpo.trainer.train_rl). Measured: the update
-phase's peak resident memory (VmHWM in /proc/self/status, reset by writing 5 to /proc/self/clear_refs at the first
-forward with gradients) minus the resident size at that moment: what the first step allocates to train, i.e.
-gradients, AdamW's state (created by the first optimizer step), saved activations, the logits chunks and every
-transient. Estimated: the plan's training-phase figure for the same config, evaluated at the token count the
-update's forwards actually saw (a forward pre-hook counts them), less the terms resident before the step (weights;
-CPU has no CUDA-context term). glibc's freed-memory cache is off (trainer.keep_freed_memory=false, and the process
-re-runs itself with MALLOC_MMAP_THRESHOLD_=65536 as bench/sync.py's children do) so freed tensors leave the resident
-set at once and it follows live memory. The whole-process figure (peak minus the resident size before the model loaded, against
-the whole training-phase estimate) is printed too.
+The steps are the real trainer's (bench.step.run_steps: launch.build + grpo.trainer.train_rl), two of them, one
+prompt's group per micro-batch. Measured: the second step's update phase, its peak resident memory (VmHWM in
+/proc/self/status, reset by writing 5 to /proc/self/clear_refs at its first forward with gradients) minus the
+resident size at that moment: gradients, saved activations, the logits chunks and every transient, with AdamW's
+state already resident (as before every step after the first) and the first micro-batch's gradients resident while
+the second one's activations are saved. Estimated: the plan's training-phase figure for the same config, evaluated at
+the largest micro-batch's token count (a forward pre-hook counts them), less what is resident before the step
+(weights, optimizer state; CPU has no CUDA-context term). glibc's freed-memory cache is off
+(trainer.keep_freed_memory=false, and the process re-runs itself with MALLOC_MMAP_THRESHOLD_=65536 as
+bench/sync.py's children do) so freed tensors leave the resident set at once and it follows live memory. The
+whole-process figure (peak minus the resident size before the model loaded, against the whole training-phase
+estimate) is printed too.
 """
 from __future__ import annotations
 
@@ -82,11 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     step_forwards = tokens[len(tokens) // 2:]
     per = len(step_forwards) // micro_batches
     largest = max(sum(step_forwards[i:i + per]) for i in range(0, len(step_forwards), per))
-    measured_cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, max_tokens_per_micro_batch=largest))
+    trainer = dataclasses.replace(cfg.trainer, max_tokens_per_micro_batch=largest)
+    measured_cfg = dataclasses.replace(cfg, trainer=trainer)
     memory = run_plan(measured_cfg, Target("cpu", 1), model_config=read_model_config(resolve_model_dir(None)))["memory"]
     training = memory["roles"]["trainer"]["training"]
     resident = training["weights"] + training["optimizer"] + training.get("reference", 0)  # before the step
-    report = {"tokens_per_micro_batch": largest, "micro_batches": micro_batches, "forwards_per_step": len(step_forwards),
+    report = {"tokens_per_micro_batch": largest, "micro_batches": micro_batches,
+              "forwards_per_step": len(step_forwards),
               "estimate_training_gib": training,
               "step": {"measured_gib": update["extra_rss_bytes"] / GIB, "estimated_gib": training["total"] - resident},
               "process": {"measured_gib": (update["peak_rss_bytes"] - before_model) / GIB,
