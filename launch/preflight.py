@@ -184,8 +184,8 @@ class Prepared:
 def prepare(cfg: Config, dist, *, rows: list[dict] | None = None, eval_rows: list[dict] | None = None) -> Prepared:
     """The checks for this machine and world size; rows / eval_rows: in memory instead of data.*_files."""
     whole = len(dist.links.trainer_ranks) + len(dist.links.rollout_ranks) if dist.links else dist.world_size
-    target = Target.here(whole, torchrun=dist.distributed)
-    check_plan(cfg, target)
+    here = Target.here(whole, torchrun=dist.distributed)
+    check_plan(cfg, here)
     check_versions(cfg)
     _check_environment(cfg)
     if rows is None and not cfg.data.train_files:
@@ -214,9 +214,9 @@ def prepare(cfg: Config, dist, *, rows: list[dict] | None = None, eval_rows: lis
         tokenizer = load_tokenizer(source, trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError) as error:
         raise ConfigError(f"{key}: {error}") from None
-    if target.device == "cuda" and (model_dir / "config.json").is_file():  # memory from config.json, no weights
+    if here.device == "cuda" and (model_dir / "config.json").is_file():  # memory from config.json, no weights
         gpu_gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIB
-        check_fit(run_plan(cfg, target, str(model_dir), read_model_config(model_dir), gpu_gib)["memory"])
+        check_fit(run_plan(cfg, here, str(model_dir), read_model_config(model_dir), gpu_gib)["memory"])
     train, prompt_ids = _tokenize_prompts(cfg, tokenizer, train, notes)
     if not train:
         raise ConfigError(f"data.filter_overlong_prompts: no training row has a prompt of at most "

@@ -149,3 +149,16 @@ def test_dry_run_prints_the_table_and_refuses_what_cannot_fit(capsys):
     captured = capsys.readouterr()
     assert "config error: generating on trainer ranks needs 86." in captured.err
     assert "memory per GPU" in captured.out and not captured.out.strip().splitlines()[-1].startswith("{")
+
+
+def test_every_shipped_recipe_prints_a_table_that_fits_eight_80_gib_gpus():
+    from launch.memory import describe
+    from test_launch_plan import MODEL_CONFIGS, RECIPES
+
+    for recipe in RECIPES:
+        cfg = load_config(ROOT / "launch" / "configs" / f"{recipe}.yaml")
+        model = read_model_config(MODELS / MODEL_CONFIGS[cfg.model.name_or_path])
+        memory = run_plan(cfg, Target("cuda", 8, True), model_config=model, gpu_gib=80)["memory"]
+        assert memory["fits"] is True, (recipe, memory["refusal"])
+        table = describe(memory).splitlines()
+        assert table[0].startswith("memory per GPU (GiB of 80)") and table[-1].split()[2] == "total", recipe
