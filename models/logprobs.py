@@ -292,11 +292,9 @@ class LogprobsFromHidden(torch.autograd.Function):
 def completion_logprobs(model: torch.nn.Module, batch: dict, *, temperature: float = 1.0,
                         chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False, share_prompts: bool = True,
                         packed: bool = False, vocab_size: int | None = None) -> tuple[Tensor, Tensor | None]:
-    """Logprobs (and optionally entropies) of the completion tokens under `model`, scaled by temperature.
-
+    """(logprobs [B, T], entropy [B, T] or None), float32, of the completion tokens under `model` at `temperature`,
+    0 where completion_mask is 0; differentiable for a plain HF model and an FSDP2-sharded one.
     batch: a models.batching.pad_batch dict (ids and masks [B, Lp+T], completion_mask [B, T], prompt_len Lp).
-    Returns (logprobs [B, T] float32, entropy [B, T] float32 or None); both are 0 where completion_mask is 0.
-    Differentiable with respect to the model's parameters, for a plain HF model and an FSDP2-sharded one.
     share_prompts: when rows repeat a prompt (GRPO's G completions per prompt), run each distinct prompt once
            (on its KV cache; packed under gradient checkpointing or FSDP over ranks). False: the plain pass.
     packed: run the micro-batch as one padding-free packed row (pack_batch), U*Lp + sum(T_b) tokens.
