@@ -162,7 +162,6 @@ def run_names(directories: list[str]) -> list[str]:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """--engine, --device, --dtype, --max-model-len, read by engine_from_args (eval, distill, self_filter)."""
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu (hf engine)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: bfloat16 on cuda, float32 on cpu")
