@@ -289,5 +289,4 @@ def compute_advantages(estimator: str, rewards: Tensor, token_shaping: Tensor, m
         raise ValueError(f"algorithm.adv_estimator={estimator} is defined for outcome rewards only, but the reward "
                          f"returned sentence rewards (token_shaping is not zero); set reward.sentence_coef=0 or "
                          f"use {choices}")
-    return entry.fn(rewards, token_shaping, mask, group_size, eps=eps, weights=weights,
-                    all_reduce_sum=all_reduce_sum)
+    return entry.fn(rewards, token_shaping, mask, group_size, eps=eps, weights=weights, all_reduce_sum=all_reduce_sum)

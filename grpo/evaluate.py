@@ -48,8 +48,7 @@ def evaluate(engine, scorer: Scorer, rows: Sequence[dict], prompt_ids: Sequence[
     replica submit the same requests and its first rank reports them), and the values are gathered.
 
     Returns {"count": N, "values": {metric: [N per-prompt floats, NaN where a row's reward lacks it]}, "means":
-    {metric: (mean, low, high)}, "records": this rank's [{"index", "completion", "finish_reason", **values}]}.
-    """
+    {metric: (mean, low, high)}, "records": this rank's [{"index", "completion", "finish_reason", **values}]}."""
     mine = list(range(dist.dp_rank, len(rows), dist.dp_size))
     completions = greedy_completions(engine, [prompt_ids[i] for i in mine], max_new_tokens=max_new_tokens,
                                      batch_size=batch_size)

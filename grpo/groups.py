@@ -126,8 +126,7 @@ class LocalRollout:
                                            max_new_tokens=roll.max_new_tokens, temperature=roll.temperature,
                                            top_p=roll.top_p, top_k=roll.top_k, stop=list(roll.stop))
         batch_rows = [self.rows[i] for i in indices for _ in range(group_size)]
-        scores = self.scorer.score([c.text for c in completions], [c.completion_ids for c in completions],
-                                   batch_rows)
+        scores = self.scorer.score([c.text for c in completions], [c.completion_ids for c in completions], batch_rows)
         groups = []
         for p in range(len(indices)):
             span = slice(p * group_size, (p + 1) * group_size)

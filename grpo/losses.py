@@ -139,8 +139,7 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     rho = exp(logprobs - old_logprobs), the log-ratio clamped to +-20. ratio_level "sequence" is GSPO: rho is
     s_i (sequence_log_ratio) on every token of sequence i, so a whole sequence is clipped or not; its clip ranges
     are small (the GSPO paper: 3e-4 / 4e-4), since a mean of log-ratios moves far less than one token's.
-    Returns (loss, detached metrics): clip_frac_* (where each bound binds), approx_kl, ratio_mean, ratio_max.
-    """
+    Returns (loss, detached metrics): clip_frac_* (where each bound binds), approx_kl, ratio_mean, ratio_max."""
     check_ndim(logprobs, "logprobs", 2)
     check_same_shape(old_logprobs, "old_logprobs", logprobs, "logprobs")
     check_same_shape(mask, "mask", logprobs, "logprobs")
@@ -238,8 +237,7 @@ def truncated_is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, cap: fl
                          mask: Tensor | None = None) -> Tensor:
     """Truncated importance weights [B, T] min(exp(old - rollout), cap), no gradient, for the mismatch between the
     trainer's old logprobs and the engine's of the same sampled tokens. level "sequence": exp of the masked sum of
-    log-ratios per sequence (needs `mask` [B, T]), broadcast over its tokens.
-    """
+    log-ratios per sequence (needs `mask` [B, T]), broadcast over its tokens."""
     check_ndim(old_logprobs, "old_logprobs", 2)
     check_same_shape(rollout_logprobs, "rollout_logprobs", old_logprobs, "old_logprobs")
     with torch.no_grad():

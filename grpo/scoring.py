@@ -100,8 +100,7 @@ class Scorer:
             if sentences := result.get("sentences"):
                 index = token_sentence_index(token_char_spans(self.decode_prefixes(ids)),
                                              [(start, end) for start, end, _ in sentences])
-                token_shaping[b, : len(ids)] = sentence_shaping(index, [r for _, _, r in sentences],
-                                                                self.sentence_coef)
+                token_shaping[b, : len(ids)] = sentence_shaping(index, [r for _, _, r in sentences], self.sentence_coef)
         numeric = [numeric_components(result) for result in results]
         keys = dict.fromkeys(key for values in numeric for key in values)  # in order of first appearance
         correct = [correctness(result, result["score"], self.correct_threshold) for result in results]

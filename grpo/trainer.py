@@ -169,8 +169,7 @@ def train_rl(parts: Parts, dist) -> dict:
                                               grad_norm=result.grad_norm, lr=lr, skipped=float(skips > 0),
                                               sync_info=sync_info, step=step), dist)
         # Each rank's share of a loss divided by the whole step's count: their sum is the step's loss.
-        metrics["loss"] = float(dist.all_reduce_sum(torch.tensor(result.loss, dtype=torch.float64,
-                                                                  device=dist.device)))
+        metrics["loss"] = float(dist.all_reduce_sum(torch.tensor(result.loss, dtype=torch.float64, device=dist.device)))
         metrics.update(held_out(parts, step + 1, start, results))
         for warning in watch.update(metrics, step + 1):
             log.warn(warning)

@@ -262,7 +262,6 @@ def update(parts, prepared: Prepared, dist, *, step: int, skips: int) -> UpdateR
                 if epoch > 0:  # the engine gap and the entropy describe the rollout: count them once
                     record.pop("logprob_gap", None), record.pop("entropy", None)
                 records.append(record | prepared.metrics)
-            grad_norm, skips = optimizer_step(parts.policy, cfg, dist, parts.log, step=step, loss=loss_sum,
-                                              skips=skips)
+            grad_norm, skips = optimizer_step(parts.policy, cfg, dist, parts.log, step=step, loss=loss_sum, skips=skips)
             losses.append(loss_sum)
     return UpdateResult(records, grad_norm, skips, sum(losses) / max(len(losses), 1))

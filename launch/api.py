@@ -1,8 +1,5 @@
 """Training from Python through the same start-up checks and loop as `python -m launch.train` (under torchrun every
 rank runs the same script): a recipe, overrides, reward functions of the caller's own code, rows in memory.
-
-    from launch.api import train
-    result = train("launch/configs/demo.yaml", overrides=["trainer.steps=2"], rewards=my_reward, train_rows=rows)
 """
 from __future__ import annotations
 
@@ -34,8 +31,7 @@ def train(config: str | os.PathLike | Mapping | None = None, *, overrides: Seque
     train_rows, eval_rows: verl-format rows ({"prompt": [{"role": "user", "content": ...}], "data_source": ...,
                 "reward_model": {"ground_truth": ...}, "extra_info": {...}}) instead of data.*_files.
     Raises grpo.config.ConfigError for bad input (naming the key, file or row) before anything is written, and
-    launch.train.RunFailed (naming the phase, the step and the rank) for a failure after start-up.
-    """
+    launch.train.RunFailed (naming the phase, the step and the rank) for a failure after start-up."""
     cfg = load_config(dict(config) if isinstance(config, Mapping) else config, list(overrides))
     dist = init_distributed(cfg)
     try:

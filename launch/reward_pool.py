@@ -44,17 +44,6 @@ def function_identity(function) -> str:
     return f"{module}.{getattr(function, '__qualname__', repr(function))}"
 
 
-def _shippable(functions: dict) -> dict:
-    """The rewards a worker can receive by reference (module-level functions: a lambda or a nested function
-    cannot be pickled, and must be named by path in reward.functions)."""
-    shippable = {}
-    for source, function in functions.items():
-        with contextlib.suppress(pickle.PicklingError, AttributeError, TypeError):
-            pickle.dumps(function)
-            shippable[source] = function
-    return shippable
-
-
 def _serve(connection, reward: dict, data_sources: list[str], functions: dict) -> None:
     """A worker's life: rebuild the registry from the reward section (a dict: a RewardConfig would import torch)
     and the functions shipped by reference, report it, then score calls until None or EOF."""
@@ -99,7 +88,13 @@ class RewardPool:
 
     def __init__(self, reward: RewardConfig, data_sources: Sequence[str]):
         self.reward, self.data_sources = reward, sorted(set(data_sources))
-        self.functions = _shippable({source: rewards.get_reward(source) for source in self.data_sources})
+        # The rewards a worker can receive by reference (module-level functions: a lambda or a nested function
+        # cannot be pickled, and must be named by path in reward.functions).
+        self.functions = {}
+        for source in self.data_sources:
+            with contextlib.suppress(pickle.PicklingError, AttributeError, TypeError):
+                pickle.dumps(function := rewards.get_reward(source))
+                self.functions[source] = function
         self.context = multiprocessing.get_context("forkserver")
         # The fork server imports the rewards once (not the main module, which may import torch and CUDA).
         self.context.set_forkserver_preload(["rewards", "launch.reward_pool"])
