@@ -96,12 +96,10 @@ def broadcast_weights(model, group, header: Header, *, bucket_bytes: int, sender
         count += 1
         total += sum(tensor_bytes(tensor) for _, tensor in bucket)
         if sender:
-            manifest = [(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
-                        for name, tensor in bucket]
+            manifest = [(name, tuple(tensor.shape), tensor.dtype) for name, tensor in bucket]
             torch_dist.broadcast_object_list([manifest], src=0, group=group)
-            for dtype in sorted({entry[2] for entry in manifest}):
-                flat = torch.cat([tensor.reshape(-1) for _, tensor in bucket
-                                  if str(tensor.dtype).removeprefix("torch.") == dtype])
+            for dtype in sorted({entry[2] for entry in manifest}, key=str):
+                flat = torch.cat([tensor.reshape(-1) for _, tensor in bucket if tensor.dtype == dtype])
                 torch_dist.broadcast(flat.contiguous(), src=0, group=group)
         del bucket
     if sender:
@@ -124,10 +122,10 @@ def receive_weights(engine, group, device: torch.device) -> Header:
             if manifest is None:
                 break
             tensors = {}
-            for dtype in sorted({entry[2] for entry in manifest}):
+            for dtype in sorted({entry[2] for entry in manifest}, key=str):
                 entries = [entry for entry in manifest if entry[2] == dtype]
                 sizes = [torch.Size(shape).numel() for _, shape, _ in entries]
-                flat = torch.empty(sum(sizes), dtype=getattr(torch, dtype), device=device)
+                flat = torch.empty(sum(sizes), dtype=dtype, device=device)
                 torch_dist.broadcast(flat, src=0, group=group)
                 for (name, shape, _), part in zip(entries, flat.split(sizes)):
                     tensors[name] = part.view(shape)
