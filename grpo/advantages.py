@@ -216,8 +216,7 @@ def register_estimator(name: str, *, token_returns: bool) -> Callable[[Callable[
 @register_estimator("grpo", token_returns=True)
 def grpo_advantages(rewards: Tensor, token_shaping: Tensor, mask: Tensor, group_size: int, *, eps: float,
                     weights: Tensor | None, all_reduce_sum: AllReduceSum) -> Tensor:
-    """GRPO (Shao et al. 2024, DeepSeekMath): (G_i(t) - mean_g) / (std_g + eps); per rank, since a group never
-    spans two ranks."""
+    """GRPO (Shao et al. 2024, DeepSeekMath): (G_i(t) - mean_g) / (std_g + eps), per rank (no group spans two)."""
     return group_advantages(rewards, group_size, token_shaping=token_shaping, mask=mask, scale="group", eps=eps)
 
 

@@ -23,8 +23,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Range:
-    """A numeric field's valid values: finite and within [low, high]; an open end excludes its bound, a None low
-    leaves the field unbounded."""
+    """A numeric field's valid values: finite, in [low, high]; an open end excludes its bound; low None: unbounded."""
     low: float | None = None
     high: float | None = None
     low_open: bool = False

@@ -68,8 +68,7 @@ def evaluate(engine, scorer: Scorer, rows: Sequence[dict], prompt_ids: Sequence[
 
 
 def summarize(result: dict) -> dict[str, float]:
-    """evaluate()'s result as flat numbers for metrics.jsonl: eval/<metric> (the mean), eval/<metric>_low and
-    _high (its 95% interval) and eval/count."""
+    """evaluate()'s result for metrics.jsonl: eval/<metric> (the mean), eval/<metric>_low, _high (95%), eval/count."""
     out = {"eval/count": float(result["count"])}
     for name, (mean, low, high) in result["means"].items():
         out.update({f"eval/{name}": mean, f"eval/{name}_low": low, f"eval/{name}_high": high})

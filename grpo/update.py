@@ -43,8 +43,7 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str =
 
 
 def mini_batches(num_prompts: int, group_size: int, prompts_per_mini_batch: int | None) -> list[Tensor]:
-    """Row indices [prompts_per_mini_batch * G] long of each mini-batch: `prompts_per_mini_batch` whole
-    consecutive groups (None: all of them)."""
+    """Each mini-batch's rows [prompts_per_mini_batch * G] long: that many whole consecutive groups (None: all)."""
     size = num_prompts if prompts_per_mini_batch is None else prompts_per_mini_batch
     if size < 1 or num_prompts % size:
         raise ValueError(f"algorithm.ppo_mini_batch_size={prompts_per_mini_batch} must be >= 1 and divide "

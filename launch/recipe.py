@@ -61,8 +61,7 @@ def _build(cls, values: dict, prefix: str = ""):
 
 
 def load_config(path: str | Path | dict | None = None, overrides: list[str] = ()) -> Config:
-    """Read a YAML recipe (or a dict of its sections, or the defaults) and apply `key.sub=value` overrides (values
-    parsed as YAML)."""
+    """A YAML recipe (or a dict of its sections, or the defaults) with `key.sub=value` overrides (values as YAML)."""
     tree: dict = {}
     if isinstance(path, dict):
         tree, path = copy.deepcopy(path), None

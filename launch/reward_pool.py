@@ -38,8 +38,7 @@ class RewardTimeout(TimeoutError):
 
 
 def function_identity(function) -> str:
-    """module.qualname: what a data source resolves to, comparable across processes (a worker imports the main
-    script as __mp_main__)."""
+    """module.qualname of a reward, comparable across processes (a worker imports the main script as __mp_main__)."""
     module = getattr(function, "__module__", "?").replace("__mp_main__", "__main__")
     return f"{module}.{getattr(function, '__qualname__', repr(function))}"
 

@@ -85,8 +85,7 @@ def _wait(work, source: int, timeout_s: float) -> None:
 def broadcast_weights(model, group, header: Header, *, bucket_bytes: int, sender: bool,
                       dtype: torch.dtype | None = None) -> dict:
     """Every trainer rank gathers the policy's full tensors (FSDP2) in the engines' `dtype`; trainer 0 broadcasts
-    the header, then each bucket (a manifest of names, shapes and dtypes, then one flat tensor per dtype). Returns
-    sync metrics."""
+    the header, then each bucket (a manifest of names, shapes and dtypes, then one flat tensor per dtype)."""
     started, total, count = time.perf_counter(), 0, 0
     if sender:
         torch_dist.broadcast_object_list([header], src=0, group=group)
