@@ -60,8 +60,7 @@ def token_sentence_index(token_char_spans, sentence_char_spans) -> Tensor:
 
 
 def sentence_shaping(index: Tensor, sentence_rewards, coef: float = 1.0) -> Tensor:
-    """Per-token shaping [T] float32 coef * r_sent(sentence of the token), 0 where index [T] is -1: a row of
-    grpo.advantages.group_advantages' token_shaping."""
+    """Per-token shaping [T] float32 coef * r_sent(token's sentence), 0 where index [T] is -1: a token_shaping row."""
     rewards = torch.as_tensor(sentence_rewards, dtype=torch.float32).reshape(-1)
     if index.numel() and int(index.max()) >= rewards.shape[0]:
         raise ValueError(f"index refers to sentence {int(index.max())} but only {rewards.shape[0]} rewards given")

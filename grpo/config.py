@@ -49,8 +49,7 @@ def choice(default: str, choices: tuple[str, ...]):
 
 def bounded(default, low: float | None = None, high: float | None = None, *, low_open: bool = False,
             high_open: bool = False):
-    """A numeric field (a list of numbers: each element) within Range(low, high, ...); None, where the type
-    allows it, means "off" and is always accepted."""
+    """A numeric field (a list: each element) within Range(low, high, ...); None, where the type allows it, is "off"."""
     metadata = {"range": Range(low, high, low_open, high_open)}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata)

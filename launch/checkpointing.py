@@ -28,8 +28,7 @@ class Checkpointer:
         self.step = 1  # the step the run is at: the one in progress, or the one being checkpointed (for errors)
 
     def resume(self, checkpoint: Path) -> None:
-        """Load weights, optimizer, schedule and this rank's data position from `checkpoint` (checked before
-        anything is loaded); the run continues after its step."""
+        """Load weights, optimizer, schedule and this rank's data position from `checkpoint` (checked first)."""
         step, extra = load_checkpoint(checkpoint, self.policy.model, self.policy.optimizer)
         self.policy.scheduler.load_state_dict(extra["scheduler"])
         self.positions = list(extra["sampler_position"])  # every rank's, for the rollout ranks of a separate placement

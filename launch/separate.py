@@ -107,8 +107,7 @@ def broadcast_weights(model, group, header: Header, *, bucket_bytes: int, sender
 
 
 def receive_weights(engine, group, device: torch.device) -> Header:
-    """A rollout rank: the header trainer 0 broadcasts and, unless it is a stop, every bucket, loaded into the
-    engine as it arrives (rollout.engine.Engine.update_weights)."""
+    """A rollout rank: trainer 0's header and, unless a stop, each bucket, loaded into the engine as it arrives."""
     holder = [None]
     torch_dist.broadcast_object_list(holder, src=0, group=group)
     header = holder[0]
