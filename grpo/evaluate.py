@@ -32,16 +32,6 @@ def score_record(scorer: Scorer, row: dict, text: str, position: int = 0) -> dic
     return values | numeric_components(result)
 
 
-def metric_names(scorer: Scorer, rows: Sequence[dict]) -> list[str]:
-    """reward, acc, then the numeric components of each data source's reward (found by scoring an empty
-    completion of its first row: cheap, and the same on every rank, so ranks gather the same columns)."""
-    names = ["reward", "acc"]
-    first_rows = {row["data_source"]: row for row in reversed(rows)}
-    for source in sorted(first_rows):
-        names += [name for name in score_record(scorer, first_rows[source], "") if name not in names]
-    return names
-
-
 def evaluate(engine, scorer: Scorer, rows: Sequence[dict], prompt_ids: Sequence[list[int]], dist, *,
              max_new_tokens: int, batch_size: int = 16) -> dict:
     """Score every held-out row: each replica completes every dp_size-th row (the ranks of a tensor-parallel
@@ -57,7 +47,12 @@ def evaluate(engine, scorer: Scorer, rows: Sequence[dict], prompt_ids: Sequence[
         values = score_record(scorer, rows[i], completion.text, i)
         records.append({"index": rows[i].get("extra_info", {}).get("index", i), "completion": completion.text,
                         "finish_reason": completion.finish_reason, **values})
-    names = metric_names(scorer, rows)
+    # The columns: reward, acc, then the numeric components of each data source's reward, found by scoring an empty
+    # completion of its first row (cheap, and the same on every rank, so ranks gather the same columns).
+    names = ["reward", "acc"]
+    first_rows = {row["data_source"]: row for row in reversed(rows)}
+    for source in sorted(first_rows):
+        names += [name for name in score_record(scorer, first_rows[source], "") if name not in names]
     table = torch.zeros(len(rows), len(names), dtype=torch.float64, device=dist.device)
     for i, record in zip(mine, records if dist.tp_rank == 0 else []):
         table[i] = torch.tensor([record.get(name, math.nan) for name in names], dtype=torch.float64)
