@@ -177,32 +177,14 @@ def process_groups(cfg: Config, target: Target) -> dict[str, dict]:
     ranks and backend; every group waits at most trainer.collective_timeout_s. Colocated: the world. Separate: the
     trainers (FSDP2), the engine ranks, `link` (every rank: batches and held-out results, pickled objects) and
     `weights` (trainer 0 and the engine ranks: the weight broadcast, on the device's backend)."""
-    device_backend = "nccl" if target.device == "cuda" else "gloo"
-    world = list(range(target.world_size))
-    if cfg.stage != "rl" or cfg.rollout.placement != "separate":
-        return {"world": {"ranks": world, "backend": device_backend}}
-    trainers, engines = placement(cfg, target)["trainer_ranks"], placement(cfg, target)["rollout_ranks"]
-    return {"world": {"ranks": world, "backend": device_backend},
-            "trainers": {"ranks": trainers, "backend": device_backend},
-            "engines": {"ranks": engines, "backend": "gloo"},
-            "link": {"ranks": world, "backend": "gloo"},
-            "weights": {"ranks": [trainers[0], *engines], "backend": device_backend}}
-
-
-def collectives(cfg: Config, target: Target) -> dict | None:
-    """What a torchrun world's collectives wait and how (None for one process)."""
-    if not target.sharded:
-        return None
-    return {"timeout_s": cfg.trainer.collective_timeout_s, "groups": process_groups(cfg, target),
-            "nccl_blocking_wait": cfg.trainer.nccl_blocking_wait if target.device == "cuda" else None}
-
-
-def rollout_devices(cfg: Config, target: Target) -> dict[str, str] | None:
-    """Which GPU each rollout rank's engine binds on one node (separate placement on CUDA), as CUDA_VISIBLE_DEVICES
-    of its engine-core process: the rank's own, never the trainers' first GPU."""
-    if target.device != "cuda" or cfg.stage != "rl" or cfg.rollout.placement != "separate":
-        return None
-    return {str(rank): visible_device(rank, None) for rank in placement(cfg, target)["rollout_ranks"]}
+    backend, world = "nccl" if target.device == "cuda" else "gloo", list(range(target.world_size))
+    groups = {"world": {"ranks": world, "backend": backend}}
+    if cfg.stage == "rl" and cfg.rollout.placement == "separate":
+        trainers, engines = placement(cfg, target)["trainer_ranks"], placement(cfg, target)["rollout_ranks"]
+        groups |= {"trainers": {"ranks": trainers, "backend": backend},
+                   "engines": {"ranks": engines, "backend": "gloo"}, "link": {"ranks": world, "backend": "gloo"},
+                   "weights": {"ranks": [trainers[0], *engines], "backend": backend}}
+    return groups
 
 
 def run_plan(cfg: Config, target: Target, model_path: str = "<model directory>", model_config: dict | None = None,
@@ -215,8 +197,15 @@ def run_plan(cfg: Config, target: Target, model_path: str = "<model directory>",
             "precision": precision(cfg, target), "attention": attention(cfg, target),
             "logprob_pass": logprob_pass(cfg, target), "engine": cfg.rollout.engine,
             "engine_cycle": engine_cycle(cfg, target), "tp_groups": tp_groups(target.world_size, cfg.rollout.tp_size),
-            "placement": placement(cfg, target), "batch": None,
-            "collectives": collectives(cfg, target), "rollout_devices": rollout_devices(cfg, target), "vllm": None}
+            "placement": placement(cfg, target), "batch": None, "collectives": None, "rollout_devices": None,
+            "vllm": None}
+    if target.sharded:  # a torchrun world: what its collectives wait and how
+        blocking = cfg.trainer.nccl_blocking_wait if target.device == "cuda" else None
+        plan["collectives"] = {"timeout_s": cfg.trainer.collective_timeout_s, "groups": process_groups(cfg, target),
+                               "nccl_blocking_wait": blocking}
+    if target.device == "cuda" and cfg.stage == "rl" and cfg.rollout.placement == "separate":
+        # the GPU each rollout rank's engine core binds on one node (its CUDA_VISIBLE_DEVICES): the rank's own
+        plan["rollout_devices"] = {str(rank): visible_device(rank, None) for rank in plan["placement"]["rollout_ranks"]}
     if cfg.stage == "rl":
         trainers = len(plan["placement"]["trainer_ranks"])  # a separate placement's trainers: one share each
         shares = trainers if cfg.rollout.placement == "separate" else trainers // cfg.rollout.tp_size
