@@ -160,7 +160,7 @@ def estimate(cfg: Config, plan: dict, model: dict, gpu_gib: float | None = None)
 
 
 def check_fit(memory: dict | None) -> None:
-    """Refuse a plan whose estimate does not fit the GPU (estimate's refusal names the phase, role and term)."""
+    """Refuse a plan whose estimate does not fit the GPU, naming the phase, role and largest term."""
     if memory is not None and memory["refusal"]:
         raise ConfigError(memory["refusal"])
 
@@ -168,14 +168,11 @@ def check_fit(memory: dict | None) -> None:
 def describe(memory: dict) -> str:
     """The estimate as a table: one row per role and term, one column per phase, GiB."""
     phases = list(next(iter(memory["roles"].values())))
-    of = f" of {memory['gpu_gib']:g}" if memory["gpu_gib"] else " (no GPU size given: no fit check)"
+    of = f" of {memory['gpu_gib']:g}" if memory["gpu_gib"] else " (no GPU size given: no fit check; vllm: weights only)"
     lines = [f"{'memory per GPU (GiB' + of + ')':<44}" + "".join(f"{phase:>12}" for phase in phases)]
     for role, terms_of in memory["roles"].items():
         for name in sorted({name for terms in terms_of.values() for name in terms}, key=ORDER.index):
             cells = "".join(f"{terms_of[phase][name]:>12.2f}" if name in terms_of[phase] else f"{'-':>12}"
                             for phase in phases)
             lines.append(f"  {role + ' ranks: ' + name:<42}{cells}")
-    if not memory["gpu_gib"] and any("vllm" in terms for phases in memory["roles"].values() for terms in
-                                     phases.values()):
-        lines.append("  (vllm: its weights only; awake on a GPU it holds gpu_memory_utilization x the GPU's memory)")
     return "\n".join(lines)
