@@ -2,14 +2,9 @@
 
     python -m launch.demo [--out runs/demo] [--heldout-rows 64] [--heldout-seed 1] [key.sub=value ...]
 
-The generated evidence task (data.synthetic: claims about invented companies, gold evidence known) is scored
-with the `scifact_evidence` reward, and three arms run in turn, as in the SciFact paper's argument:
-1. GRPO from the base model (launch/configs/demo_base.yaml): the base model never writes the answer format,
-   every group is flat -- the stall, with its "zero learning signal" warning;
-2. SFT cold start (demo_sft.yaml): teaches the format;
-3. GRPO from the SFT checkpoint (demo.yaml): RL improves on SFT.
-Every arm scores held-out rows (their own generator seed) greedily before, during and after training; summary.md
-gives each mean its 95% interval and each arm its paired difference to its start (also summary.json, curves.png).
+On the generated evidence task (data.synthetic), three arms run in turn: GRPO from the base model (it stalls: every
+group is flat), SFT, then GRPO from the SFT checkpoint; docs/demo.md says what each shows and what it measured.
+summary.md gives each held-out mean its 95% interval and each arm its paired difference to its start.
 """
 from __future__ import annotations
 
