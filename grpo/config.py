@@ -1,7 +1,6 @@
 """The run's settings: one frozen dataclass per section of a recipe, each field with its docstring and its valid
-choices or range, checked when the section is built (naming the key, the value and the range). `check` holds the
-rules that relate fields to each other and to the world size; start-up and `--dry-run` run it before anything
-loads. The code that uses a setting receives its section (or the whole Config) and reads the same name.
+choices or range, checked when the section is built; `check` holds the rules that relate fields to each other and
+to the world size (start-up and `--dry-run` run it). Code that uses a setting reads its section, by the same name.
 """
 from __future__ import annotations
 
@@ -303,9 +302,9 @@ class TrainerConfig(Section):
     collective_timeout_s: float = bounded(1800.0, 0, low_open=True)
     """Seconds a collective may wait for the other ranks before the run fails naming phase, step and rank."""
     nccl_blocking_wait: bool = False
-    """NCCL only: a timed-out collective raises in the calling thread, naming phase, step and rank, but every
-    collective then spins the CPU until it ends (TORCH_NCCL_BLOCKING_WAIT=1), so FSDP2's prefetches stop overlapping
-    compute. Off: NCCL's watchdog ends the rank after collective_timeout_s, naming the collective and the rank."""
+    """NCCL only: a timed-out collective raises in the calling thread, naming phase, step and rank, but collectives
+    then spin the CPU (TORCH_NCCL_BLOCKING_WAIT=1) and FSDP2's prefetches stop overlapping compute. Off: NCCL's
+    watchdog ends the rank after collective_timeout_s, naming the collective and the rank."""
     out_dir: str = "runs"
     """Parent of run directories."""
     run_name: str = "run"

@@ -53,8 +53,7 @@ def step_metrics(batch, rewards: Tensor, group_size: int, updates: list[dict], t
             metrics[key] = _nanmean([u[key] for u in trained if key in u])
     metrics["ratio_max"] = max((u["ratio_max"] for u in trained), default=float("nan"))
     # On the first update of a rollout the ratio is exactly 1 (old = current), a check on every run, except with
-    # dropout (model.lora.dropout, a model's attention dropout): the old logprobs come from an eval-mode pass, as
-    # the engines sample, and the update's forward drops units, so the ratio then reads the dropout noise.
+    # dropout, whose noise it then reads (docs/conventions.md, "Mini-batches and micro-batches").
     metrics["ratio_first_update"] = trained[0]["ratio_mean"] if trained else float("nan")
     metrics.update({f"reward/{key}": _nanmean(values) for key, values in batch.components.items()})
     if "format" in batch.components:

@@ -48,9 +48,8 @@ class Scores:
 
 @dataclass(frozen=True)
 class Scorer:
-    """Everything scoring needs besides the completions. compute_scores, when given, scores many calls at once
-    (launch/reward_pool.py: worker processes, a timeout per call): one outcome per call, its result or its
-    exception (None for a call not made after a failure)."""
+    """Everything scoring needs besides the completions. compute_scores (launch/reward_pool.py), when given, scores
+    many calls at once: one outcome per call, its result, its exception, or None for a call not made after a failure."""
     compute_score: Callable
     decode_prefixes: Callable[[Sequence[int]], list[str]]  # ids -> [decode(ids[:k]) for k in 0..len(ids)]
     sentence_coef: float = 1.0

@@ -1,9 +1,7 @@
 """The RL loop (GRPO, DAPO, Dr. GRPO, GSPO, RLOO, REINFORCE++, CISPO, process-reward GRPO) and the SFT loop (cold
 start before RL), each one function read top to bottom; docs/how_a_step_runs.md walks an RL step's phases.
-
-Variants are settings of the run's Config (grpo/config.py), not subclasses. What is global under torchrun (loss
-denominators, batch statistics, the gradient norm, the skip decision) is reduced where it is computed; the rest
-is per rank, exact because a group never spans two ranks. `dist` is launch.dist.DistInfo.
+Variants are settings of the Config, not subclasses. What is global under torchrun is reduced where it is computed
+(docs/conventions.md, "What is global under torchrun"); `dist` is launch.dist.DistInfo.
 """
 from __future__ import annotations
 
@@ -73,9 +71,8 @@ def deadline(seconds: float, limit: str, what: Callable[[], str]):
         yield
     finally:
         timer.cancel()
-        # Joined so the timer thread is gone before the caller goes on: a daemon thread left to wind down could
-        # drop the last reference to `what`'s closure (and through it the run's tensors) while the interpreter
-        # finalizes, which ends the process in std::terminate (SIGABRT) after a finished run.
+        # Joined: a daemon timer thread winding down during interpreter finalization could drop the last reference
+        # to `what`'s closure (and the run's tensors), ending a finished run in std::terminate (SIGABRT).
         timer.join()
 
 

@@ -21,15 +21,9 @@ def train(config: str | os.PathLike | Mapping | None = None, *, overrides: Seque
           eval_rows: Sequence[dict] | None = None) -> dict:
     """Run SFT or RL (the config's stage) to the end; returns {"run_dir", "before", "after"}: the held-out results
     before and after training (count, means with 95% intervals, per-prompt values; empty without held-out rows).
-
-    config:     a recipe path (launch/configs/*.yaml), a dict of its sections, or None for the defaults.
-    overrides:  `key.sub=value` strings, as on the command line.
-    rewards:    fn(data_source, solution_str, ground_truth, extra_info=None) -> float or dict, registered for
-                every data_source of the rows, for this run only; or {data_source: fn}. With reward.num_workers a
-                module-level function reaches the workers, which import the caller's script: call train under
-                `if __name__ == "__main__":` there.
-    train_rows, eval_rows: verl-format rows ({"prompt": [{"role": "user", "content": ...}], "data_source": ...,
-                "reward_model": {"ground_truth": ...}, "extra_info": {...}}) instead of data.*_files.
+    The arguments are README.md's ("In Python"): a recipe (path, dict of sections or None), `key.sub=value`
+    overrides, a reward fn(data_source, solution_str, ground_truth, extra_info=None) -> float or dict (or
+    {data_source: fn}) for this run only, and verl-format rows (docs/conventions.md) instead of data.*_files.
     Raises grpo.config.ConfigError for bad input (naming the key, file or row) before anything is written, and
     launch.train.RunFailed (naming the phase, the step and the rank) for a failure after start-up."""
     cfg = load_config(dict(config) if isinstance(config, Mapping) else config, list(overrides))

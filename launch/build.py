@@ -55,9 +55,8 @@ class Run:
 
 def build_engine(cfg: Config, target: Target, model_dir: Path, tokenizer, *, device: torch.device, dp_rank: int = 0,
                  policy: torch.nn.Module | None = None):
-    """The engine launch/plan.py decides for the target: vLLM, or the transformers engine on the policy module
-    itself (`policy`, when the plan lets it) or on a copy of its own in the compute dtype, loaded from model_dir.
-    dp_rank: the replica (its vLLM seed: tensor-parallel peers sample identically)."""
+    """The engine launch/plan.py decides: vLLM, or the transformers engine on the `policy` module itself (when the
+    plan lets it) or on a copy in the compute dtype. dp_rank: the replica (its vLLM seed: tp peers sample alike)."""
     if cfg.rollout.engine == "vllm":
         return VLLMEngine(vllm_arguments(cfg, target, str(model_dir), dp_rank))
     if policy is not None and not own_engine_copy(cfg, target):
@@ -71,10 +70,10 @@ def build_scorer(cfg: Config, dist: DistInfo, prepared: Prepared) -> tuple[Score
     """The one Scorer of the run (training and held-out alike) and its reward worker pool, if any. Each data
     source's reward is first called on its first row with an empty completion: a wrong signature, an error or a
     result that is not a finite number or a dict with a finite "score" ends the start-up in one line."""
-    compute_score, compute_scores, pool = reward_functions(cfg.reward, prepared.rows + prepared.eval_rows,
-                                                           device=str(dist.device))
+    rows = prepared.rows + prepared.eval_rows
+    compute_score, compute_scores, pool = reward_functions(cfg.reward, rows, device=str(dist.device))
     first = {}
-    for where, row in zip(prepared.places, prepared.rows + prepared.eval_rows):
+    for where, row in zip(prepared.places, rows):
         first.setdefault(row["data_source"], (where, row))
     for source, (where, row) in first.items():
         try:
@@ -89,9 +88,8 @@ def build_scorer(cfg: Config, dist: DistInfo, prepared: Prepared) -> tuple[Score
 
 
 def _load(cfg: Config, dist: DistInfo, prepared: Prepared, target: Target, *, policy: bool) -> torch.nn.Module:
-    """The policy (master weights in model.dtype, LoRA adapters, gradient checkpointing as set) or the frozen
-    reference (in the compute dtype), sharded under torchrun, where only rank 0 reads the weights and the others
-    receive their shards (models.fsdp.load_sharded_model): a node never holds a full copy per rank."""
+    """The policy (master weights in model.dtype, LoRA, gradient checkpointing) or the frozen reference (compute
+    dtype); under torchrun only rank 0 reads the weights, the others receive their shards (load_sharded_model)."""
     lora = cfg.model.lora
 
     def add_lora(model):

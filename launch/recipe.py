@@ -1,6 +1,5 @@
-"""Reading a recipe: a YAML file (or a dict of its sections, or nothing for the defaults) plus `key.sub=value`
-overrides, into the typed Config of grpo/config.py. Unknown keys (with the closest valid key suggested) and wrong
-types fail here, each section then checks its choices and ranges; every error names the key (and the file).
+"""Reading a recipe (a YAML file, a dict of its sections, or nothing) plus `key.sub=value` overrides into the typed
+Config of grpo/config.py; unknown keys (the closest valid one suggested) and wrong types fail here, naming the key.
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""The run's reward functions, built once from the `reward` section (`reward_functions`), the model a triple
-extractor needs assembled here (rewards know no model), and the optional workers (reward.num_workers) that score a
-step's completions concurrently, started by a fork server without torch (forking the training process, with its
-threads, process group or CUDA, is not safe).
+"""The run's reward functions, built once from the `reward` section (`reward_functions`), with the model a triple
+extractor needs (rewards know no model), and the optional workers (reward.num_workers) that score a step's
+completions concurrently, started by a fork server without torch (forking the training process is not safe).
 """
 from __future__ import annotations
 
@@ -100,10 +99,8 @@ class RewardPool:
         self.workers: list[_Worker | None] = [None] * reward.num_workers
 
     def start(self) -> None:
-        """Start every worker (in parallel), once each data source resolves to the same function in them as here
-        (a reward registered in code only does not reach a new process); closed again when one does not. The fork
-        server imports the main script (as __mp_main__): one that trains outside `if __name__ == "__main__":`
-        would train again there, so it is refused first."""
+        """Start every worker (in parallel); ConfigError (the workers closed) for a main script that trains outside
+        `if __name__ == "__main__":` (the fork server imports it again) or a data source whose reward differs there."""
         from grpo.config import ConfigError  # grpo.config imports torch, which the workers do not need
         path = getattr(sys.modules.get("__main__"), "__file__", None)
         if path and os.path.isfile(path) and "__main__" not in open(path, encoding="utf-8", errors="replace").read():
@@ -168,10 +165,9 @@ class RewardPool:
         waiting = list(range(len(calls)))[::-1]
         busy: dict[int, tuple[int, float]] = {}  # worker slot -> (call index, deadline)
         limit = self.reward.timeout_s if self.reward.timeout_s is not None else float("inf")
-        failed = False
-        while busy or (waiting and not failed):
+        while busy or waiting:
             for slot, worker in enumerate(self.workers):
-                if slot not in busy and waiting and not failed:
+                if slot not in busy and waiting:
                     index = waiting.pop()
                     with contextlib.suppress(OSError):  # the worker is gone: found below, as a death while scoring
                         worker.connection.send(calls[index])
@@ -185,12 +181,11 @@ class RewardPool:
                 if outcome is not _PENDING:
                     outcomes[index] = outcome
                     del busy[slot]
-                    failed = failed or isinstance(outcome, BaseException)
-            if failed:
+            if any(isinstance(outcome, BaseException) for outcome in outcomes):
                 for slot in busy:  # abandoned: the run ends with the first error
                     self.workers[slot].stop()
                     self.workers[slot] = None
-                busy.clear()
+                break
         return outcomes
 
     def _outcome(self, slot: int, deadline: float):

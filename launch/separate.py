@@ -1,7 +1,5 @@
-"""Rollout on ranks of its own (rollout.placement=separate): the last rollout.num_ranks ranks of the torchrun world
-generate and score, the others train; batches and weights travel over process groups of their own
-(launch.dist.Links). With algorithm.max_staleness=1 the engines generate step n+1's batch during step n's update,
-and truncated IS corrects for the policy one step older that generated it.
+"""Rollout on ranks of its own (rollout.placement=separate; docs/conventions.md, "Rollout on its own ranks"): the
+batches and weights travel over process groups of their own (launch.dist.Links).
 
 Both sides run the same sequence (j: a step; v_j: the weights after j optimizer steps; S: max_staleness):
 
@@ -19,8 +17,7 @@ Both sides run the same sequence (j: a step; v_j: the weights after j optimizer 
              at the end (or at a stop request): drain a message still on its way, broadcast the stop
 
 Replica r (one engine rank) serves trainer ranks [r * T / R, (r + 1) * T / R), P prompts each in one
-LocalRollout.collect_shares call. A checkpoint records each trainer's data position after the last batch it
-trained: a batch generated but not trained when a run stops is generated again after resuming, never lost.
+LocalRollout.collect_shares call.
 """
 from __future__ import annotations
 
