@@ -98,9 +98,8 @@ class Rollout(Protocol):
 
 
 class LocalRollout:
-    """A rank's rollout on its own engine. policy: the model whose weights sync_weights pushes into the engine;
-    None when the engine generates with the policy module itself (one process, one dtype) or receives its weights
-    by broadcast (an engine rank of a separate placement). eval_rows empty: no held-out evaluation."""
+    """A rank's rollout on its own engine. policy: the model sync_weights pushes into the engine; None when the
+    engine generates with the policy module itself or receives its weights by broadcast (placement=separate)."""
 
     def __init__(self, cfg: Config, engine, scorer: Scorer, dist, *, rows: Sequence[dict],
                  prompt_ids: Sequence[list[int]], eval_rows: Sequence[dict] = (),

@@ -91,8 +91,7 @@ class Scorer:
         return [self._checked(outcome, row, b) for b, (outcome, row) in enumerate(zip(outcomes, rows))]
 
     def score(self, texts: Sequence[str], completion_ids: Sequence[Sequence[int]], rows: Sequence[dict]) -> Scores:
-        """B completions and their prompt rows, scored: token_shaping[b, t] = sentence_coef * r_sent of the sentence
-        holding token t (0 outside sentences)."""
+        """B completions and their rows, scored: token_shaping[b, t] = sentence_coef * r_sent(t's sentence), else 0."""
         results = self.results(texts, rows)
         token_shaping = torch.zeros(len(texts), max((len(ids) for ids in completion_ids), default=0))
         for b, (ids, result) in enumerate(zip(completion_ids, results)):

@@ -116,8 +116,7 @@ class Parts:
 
 
 def held_out_due(done: int, start: int, trainer: TrainerConfig) -> bool:
-    """Whether the held-out rows are scored with the weights after `done` steps of a run that started at `start`:
-    the one schedule, also for engine ranks of their own (launch/separate.py)."""
+    """Whether the held-out rows are scored after `done` steps of a run started at `start` (also launch/separate)."""
     if done == start:
         return trainer.eval_before
     return done == trainer.steps or (trainer.eval_every > 0 and done % trainer.eval_every == 0)

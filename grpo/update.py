@@ -106,9 +106,8 @@ def micro_batches(minis: Sequence[Tensor], lengths: Sequence[int], *, rows_per_m
 def plan_update(completions: Sequence, mask: Tensor, cfg: Config, world_size: int, pad_id: int, *,
                 all_reduce_sum: Callable[[Tensor], Tensor] = lambda t: t,
                 all_reduce_max: Callable[[Tensor], Tensor] = lambda t: t) -> list[MiniBatch]:
-    """The update's plan: mini-batches (algorithm.ppo_mini_batch_size counts prompts over all ranks, as in verl) of
-    micro-batches with their padded inputs, each mini-batch with its denominator: grpo.losses.loss_denominator of
-    its rows of mask [B, T] (filler groups 0), summed over ranks by one all-reduce of the [M] local ones."""
+    """The update's plan: mini-batches of micro-batches with their padded inputs, each with its denominator
+    (loss_denominator of its rows of mask [B, T], filler groups 0) summed over ranks in one all-reduce of all M."""
     mini = cfg.algorithm.ppo_mini_batch_size
     minis = mini_batches(cfg.trainer.prompts_per_step, cfg.rollout.n, None if mini is None else mini // world_size)
     plan = micro_batches(minis, [len(c.prompt_ids) + len(c.completion_ids) for c in completions],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import rewards as registry
 from data.rows import read_rows
@@ -13,12 +13,10 @@ from launch.dist import init_distributed, shutdown
 from launch.recipe import load_config
 from launch.train import run
 
-RewardFn = Callable[..., "float | dict"]
-
 
 def train(config: str | os.PathLike | Mapping | None = None, *, overrides: Sequence[str] = (),
-          rewards: RewardFn | Mapping[str, RewardFn] | None = None, train_rows: Sequence[dict] | None = None,
-          eval_rows: Sequence[dict] | None = None) -> dict:
+          rewards: registry.RewardFn | Mapping[str, registry.RewardFn] | None = None,
+          train_rows: Sequence[dict] | None = None, eval_rows: Sequence[dict] | None = None) -> dict:
     """Run SFT or RL (the config's stage) to the end; returns {"run_dir", "before", "after"}: the held-out results
     before and after training (count, means with 95% intervals, per-prompt values; empty without held-out rows).
     The arguments are README.md's ("In Python"): a recipe (path, dict of sections or None), `key.sub=value`

@@ -67,9 +67,8 @@ def build_engine(cfg: Config, target: Target, model_dir: Path, tokenizer, *, dev
 
 
 def build_scorer(cfg: Config, dist: DistInfo, prepared: Prepared) -> tuple[Scorer, object | None]:
-    """The one Scorer of the run (training and held-out alike) and its reward worker pool, if any. Each data
-    source's reward is first called on its first row with an empty completion: a wrong signature, an error or a
-    result that is not a finite number or a dict with a finite "score" ends the start-up in one line."""
+    """The run's one Scorer (training and held-out) and its reward worker pool, if any. Each data source's reward
+    is first called on its first row with an empty completion: a broken reward ends the start-up in one line."""
     rows = prepared.rows + prepared.eval_rows
     compute_score, compute_scores, pool = reward_functions(cfg.reward, rows, device=str(dist.device))
     first = {}
@@ -218,8 +217,7 @@ def _training(cfg: Config, dist: DistInfo, prepared: Prepared, run_dir: Path, sc
 
 
 def held_out_summary(result: dict) -> dict:
-    """A held-out result for eval.json and the caller: count, means {metric: {mean, low, high}} (the 95% interval),
-    per-prompt values (the records, this rank's completions, stay out; NaN as null)."""
+    """A held-out result for eval.json: count, means {metric: {mean, low, high}} (95%), values; NaN as null."""
     means = {name: dict(zip(("mean", "low", "high"), interval)) for name, interval in result["means"].items()}
     return jsonable({"count": result["count"], "means": means, "values": result["values"]})
 

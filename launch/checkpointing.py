@@ -61,8 +61,7 @@ class Checkpointer:
                     shutil.rmtree(path)
 
     def end_step(self, done: int) -> bool:
-        """Record step `done` (1-based). True when a stop was requested (the loop breaks and `finish` writes
-        the checkpoint); otherwise writes the periodic checkpoint when one is due (the last step's is `finish`'s)."""
+        """Record step `done` (1-based): True on a stop request (`finish` checkpoints), else the periodic checkpoint."""
         self.completed_steps = self.step = done
         with phase("stop request", done):
             stop = self.stop_requested()

@@ -236,8 +236,7 @@ _PENDING = object()
 
 
 def register_functions(functions: dict[str, str], corpus_index: str | None) -> None:
-    """reward.functions registered by path (each process: this one and every worker), and the corpus index
-    exported to the factqa_corpus reward (NANOGRPO_CORPUS_INDEX)."""
+    """reward.functions registered by path (in every process), and reward.corpus_index exported as INDEX_ENV."""
     for data_source, dotted in functions.items():
         rewards.register(data_source, rewards.get_reward(dotted), overwrite=True)
     if corpus_index is not None:

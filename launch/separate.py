@@ -190,8 +190,7 @@ class RemoteRollout:
 
 
 def serve(local: LocalRollout, dist: DistInfo) -> int:
-    """An engine rank's whole run (the sequence in the module docstring) on its LocalRollout, whose sampler is
-    this replica's order over the rows. Returns the stop signal the trainers agreed on (0 when the run ended)."""
+    """An engine rank's whole run (the module docstring's sequence); returns the trainers' stop signal (0: ended)."""
     cfg, links = local.cfg, dist.links
     trainers = len(links.trainer_ranks) // len(links.rollout_ranks)
     served = range(dist.rank * trainers, (dist.rank + 1) * trainers)  # the trainer ranks this replica serves
