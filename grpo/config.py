@@ -489,8 +489,7 @@ def _check_rl(cfg: Config, world_size: int) -> None:
 
 
 def check_placement(cfg: Config, world_size: int) -> None:
-    """rollout.placement: rollout ranks that leave trainers, replicas that divide the trainers, the correction
-    that staleness needs; colocated, tensor-parallel replicas that tile the world. world_size: the whole world."""
+    """The rules of rollout.placement and its replicas; world_size: the whole torchrun world."""
     rollout, algo = cfg.rollout, cfg.algorithm
     if rollout.placement == "colocated":
         if rollout.num_ranks:

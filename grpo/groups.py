@@ -135,12 +135,11 @@ class LocalRollout:
         return groups
 
     def collect_shares(self, seed: int, shares: int) -> list[Batch]:
-        """Generate and score until `shares` batches of P = trainer.prompts_per_step groups are full, for the ranks
-        of a tensor-parallel replica (each runs this with the same sampler state and seed, as vLLM needs) or the
-        trainers an engine rank of a separate placement serves. With dynamic sampling (DAPO) only groups whose
-        correctness varies are kept; batches still short after algorithm.max_gen_batches rounds are filled with
-        dropped groups of loss weight 0, so every rank runs as many micro-batches (FSDP needs it). Round r > 0
-        generates with stream_seed(seed, r): no round, step or replica reuses another's stream."""
+        """Generate and score until `shares` batches of P = trainer.prompts_per_step groups are full (the ranks of a
+        tensor-parallel replica, each with the same sampler state and seed as vLLM needs, or the trainers an engine
+        rank serves). Dynamic sampling (DAPO) keeps only groups whose correctness varies; batches still short after
+        algorithm.max_gen_batches rounds are filled with dropped groups of loss weight 0 (every rank runs as many
+        micro-batches, as FSDP needs). Round r > 0 generates with stream_seed(seed, r): no stream is reused."""
         algo, num_prompts = self.cfg.algorithm, self.cfg.trainer.prompts_per_step
         wanted, kept, dropped, rounds = shares * num_prompts, [], [], 0
         while len(kept) < wanted and rounds < (algo.max_gen_batches if algo.dynamic_sampling else 1):

@@ -54,9 +54,8 @@ def mini_batches(num_prompts: int, group_size: int, prompts_per_mini_batch: int 
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """Rows of one forward/backward and their padded inputs (models.batching.pad_batch, completions to this
-    micro-batch's own width T_mb). weight 0: a pass that trains on nothing and only keeps FSDP's collectives
-    paired across ranks (a rank with fewer micro-batches than another repeats a row)."""
+    """Rows of one forward/backward and their padded inputs (pad_batch, to this micro-batch's own width T_mb).
+    weight 0: a pass (of a repeated row) that trains nothing, only keeping FSDP's collectives paired across ranks."""
     rows: Tensor  # [b] long, ascending
     weight: float = 1.0
     inputs: dict | None = None
@@ -156,8 +155,7 @@ def all_rows(pass_fn: Callable[[dict], Tensor], mini_batches: list[MiniBatch], s
 
 
 def reference_logprobs(parts, inputs: dict) -> Tensor:
-    """The KL reference's logprobs of one micro-batch: the frozen starting model, or with LoRA the policy with its
-    adapters disabled (parts.reference is then the policy module itself), computed as the policy's are."""
+    """The KL reference's logprobs of one micro-batch (with LoRA: the policy module itself, adapters disabled)."""
     model = parts.reference
     adapters_off = disabled_adapters(model) if model is parts.policy.model else contextlib.nullcontext()
     with adapters_off, evaluating(model):

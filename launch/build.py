@@ -117,8 +117,7 @@ def _load(cfg: Config, dist: DistInfo, prepared: Prepared, target: Target, *, po
 
 
 def _policy(cfg: Config, dist: DistInfo, prepared: Prepared, target: Target) -> tuple[Policy, torch.nn.Module | None]:
-    """(Policy, the KL reference or None): the model, fused AdamW over its trainable weights, the warmup/decay
-    schedule; the reference is the frozen starting model or, with LoRA, the policy itself with adapters disabled."""
+    """(Policy: model, fused AdamW, lr schedule; the KL reference or None: the frozen start, with LoRA the policy)."""
     model = _load(cfg, dist, prepared, target, policy=True)
     if not dist.sharded:
         compute_in(model, getattr(torch, cfg.model.param_dtype))  # FSDP2 does this under torchrun
@@ -223,8 +222,7 @@ def held_out_summary(result: dict) -> dict:
 
 
 def _finish_training(run: Run, result: dict, stop_signal: int) -> dict:
-    """After a training loop: tell the rollout the run ends (or stops), and summarise it; eval.json after a full
-    run. An interrupted run reports the steps it completed and the signal."""
+    """After a training loop: tell the rollout the run ends (or stops), summarise it; eval.json after a full run."""
     completed = run.checkpoints.completed_steps
     stopped = completed < run.cfg.trainer.steps
     if run.parts.rollout is not None:

@@ -15,8 +15,7 @@ from models.checkpoint import complete_checkpoints, load_checkpoint, save_checkp
 
 class Checkpointer:
     """Checkpoints of one run under run_dir/checkpoints/step_<n>/, every rank calling in step. sampler: what holds
-    this rank's data position (a grpo.groups.PromptSampler or launch.separate.RemoteRollout); stop_requested: as
-    launch.train.run's, agreed by every rank."""
+    this rank's data position (a PromptSampler or a RemoteRollout); stop_requested: agreed by every rank."""
 
     def __init__(self, cfg: Config, run_dir: Path, policy: Policy, tokenizer, sampler, dist, *,
                  stop_requested: Callable[[], bool]):

@@ -266,8 +266,7 @@ def model_generate_fn(name_or_path: str | None, *, max_new_tokens: int = 48, dev
 
 
 def factqa_reward_for(reward: RewardConfig, *, device: str = "cpu") -> Callable[..., dict] | None:
-    """The factqa_corpus reward the config asks for, or None when it is the registered default (rule
-    extractor, engine counts). Needs reward.corpus_index (or $NANOGRPO_CORPUS_INDEX) for anything else."""
+    """The factqa_corpus reward the config asks for, or None for the registered default (rule extractor, engine)."""
     from grpo.config import ConfigError  # grpo.config imports torch, which the workers do not need
     from rewards.corpus import CorpusIndex
 
@@ -287,19 +286,12 @@ def factqa_reward_for(reward: RewardConfig, *, device: str = "cpu") -> Callable[
 def reward_functions(reward: RewardConfig, rows: list[dict], *, device: str = "cpu"):
     """(compute_score, compute_scores or None, the worker pool or None) of a run, for grpo.scoring.Scorer: with
     reward.num_workers every call goes through the workers (each builds the configured reward itself); else the
-    configured factqa_corpus reward is dispatched here, ahead of the registry."""
+    configured factqa_corpus reward is registered here, as a worker registers its own."""
     register_functions(reward.functions, reward.corpus_index)
     if reward.num_workers:
         pool = RewardPool(reward, [row["data_source"] for row in rows])
         pool.start()
         return pool.compute_score, pool.compute_scores, pool
-    configured = factqa_reward_for(reward, device=device)
-    if configured is None:
-        return rewards.compute_score, None, None
-
-    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-        if data_source == "factqa_corpus":
-            return rewards.check_result(data_source, solution_str,
-                                        configured(data_source, solution_str, ground_truth, extra_info))
-        return rewards.compute_score(data_source, solution_str, ground_truth, extra_info)
-    return compute_score, None, None
+    if (configured := factqa_reward_for(reward, device=device)) is not None:
+        rewards.register("factqa_corpus", configured, overwrite=True)
+    return rewards.compute_score, None, None

@@ -17,8 +17,7 @@ from grpo.config import Config
 
 
 def jsonable(value):
-    """`value` with every non-finite float as None: JSON has no NaN or infinity, so metrics.jsonl, eval.json and
-    launch.train's result write null there (docs/conventions.md); the key stays, so a gap stays visible."""
+    """`value` with every non-finite float as None, which JSON writes as null (docs/conventions.md); the key stays."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
@@ -29,9 +28,8 @@ def jsonable(value):
 
 
 class RunLog:
-    """A run's log from `start_step` on: its settings in config.yaml at step 0, config_step_<n>.yaml beside it at
-    each resume (what a resume compares with); lines of metrics.jsonl and samples.jsonl after the start dropped (a
-    resume redoes them, a fresh run replaces an earlier run's); trainer.wandb_project (WANDB_MODE=offline works)."""
+    """A run's log from `start_step` on: config.yaml at step 0, config_step_<n>.yaml at each resume (what a resume
+    compares with); lines of metrics.jsonl and samples.jsonl after the start dropped (a resume redoes them)."""
 
     def __init__(self, cfg: Config, run_dir: Path, *, start_step: int = 0, enabled: bool = True):
         self.enabled, self.run_dir = enabled, Path(run_dir)

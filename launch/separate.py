@@ -51,7 +51,6 @@ class Message:
 class Header:
     """What trainer 0 broadcasts before the weights: a stop (then no weights follow) or the next version."""
     stop: bool
-    version: int
     start: int = 0  # the first step (the start broadcast)
     positions: tuple[int, ...] = ()  # each replica's data position at the start
     signal: int = 0  # the stop signal the trainers agreed on (0: the run ended)
@@ -157,7 +156,7 @@ class RemoteRollout:
     def start(self, start_step: int, positions: list[int]) -> dict:
         """Send the start (first step, each replica's data position: a trainer's checkpointed one) and v_start."""
         self.version, self.received = start_step, start_step - 1
-        return self._broadcast(Header(stop=False, version=start_step, start=start_step, positions=tuple(positions)))
+        return self._broadcast(Header(stop=False, start=start_step, positions=tuple(positions)))
 
     def collect(self, step: int) -> Batch:
         message = self._message(step)
@@ -176,17 +175,16 @@ class RemoteRollout:
     def sync_weights(self) -> dict:
         """Broadcast the weights after this step (v_{j+1})."""
         self.version += 1
-        return self._broadcast(Header(stop=False, version=self.version))
+        return self._broadcast(Header(stop=False))
 
     def close(self, stop_signal: int = 0) -> None:
-        """Drain the message on its way, then broadcast the stop. The rollout ranks send msg_j once they hold v_j:
-        after the last broadcast (v_version) that message is on its way unless it arrived already (a held-out
-        point) or none is sent (after the last step without held-out rows); its batch is never trained."""
+        """Drain msg_version (on its way after the last broadcast unless it arrived already or none is sent: after
+        the last step without held-out rows; its batch is never trained), then broadcast the stop."""
         following = self.version
         if following > self.received and (following < self.cfg.trainer.steps or self.has_held_out):
             self._message(following)
         self.messages.clear()
-        self._broadcast(Header(stop=True, version=self.version, signal=stop_signal))
+        self._broadcast(Header(stop=True, signal=stop_signal))
 
 
 def serve(local: LocalRollout, dist: DistInfo) -> int:
@@ -197,20 +195,18 @@ def serve(local: LocalRollout, dist: DistInfo) -> int:
     header = receive_weights(local.engine, links.weights, dist.device)  # the start and v_start
     start, steps = header.start, cfg.trainer.steps
     local.sampler.position = header.positions[dist.rank]
-    batches = None
 
     def generate(step: int) -> list[Batch]:
         return local.collect_shares(stream_seed(cfg.seed, step, dist.rank), len(served))
 
     for step in range(start, steps + 1):
-        version = step if step == start else step - 1
-        if step < steps and (cfg.algorithm.max_staleness == 1 or step == start):
-            batches = generate(step)
+        if step < steps and cfg.algorithm.max_staleness == 1:  # with the weights it has: v_{j-1} (v_start at start)
+            version, batches = max(step - 1, start), generate(step)
         if step > start:
             header = receive_weights(local.engine, links.weights, dist.device)
             if header.stop:
                 return header.signal
-        if step < steps and cfg.algorithm.max_staleness == 0 and step > start:
+        if step < steps and cfg.algorithm.max_staleness == 0:
             version, batches = step, generate(step)
         held_out = local.evaluate(step) if held_out_due(step, start, cfg.trainer) else None
         if step == steps and not local.eval_rows:
