@@ -15,9 +15,6 @@ Both sides run the same sequence (j: a step; v_j: the weights after j optimizer 
              join the stop broadcast; leave
     trainer  msg_j -> prepare, update -> broadcast v_{j+1} -> (held-out after j + 1: msg_{j+1}'s) -> ...
              at the end (or at a stop request): drain a message still on its way, broadcast the stop
-
-Replica r (one engine rank) serves trainer ranks [r * T / R, (r + 1) * T / R), P prompts each in one
-LocalRollout.collect_shares call.
 """
 from __future__ import annotations
 
