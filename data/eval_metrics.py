@@ -2,8 +2,7 @@
 corpus-grounded factual QA and the answer verifier, read with the rewards' own parsers.
 
 A record: `{"data_source", "completion", "ground_truth"}`, optionally more (score_example, summarize). A rate
-over an empty denominator is 0.0 (the official SciFact scorer's safe division), so every metric is a number.
-"""
+over an empty denominator is 0.0 (the official SciFact scorer's safe division), so every metric is a number."""
 from __future__ import annotations
 
 import re

@@ -2,8 +2,7 @@
 the ground truth is the gold aliases joined with `;`, the system prompt asks for `<think>` then `<answer>`.
 
     python -m data.factqa convert --input factqa/nq_open_validation.json --out nq.jsonl
-    python -m launch.self_filter --input nq.jsonl --out nq_zone.jsonl --group-size 8   # the learning zone
-"""
+    python -m launch.self_filter --input nq.jsonl --out nq_zone.jsonl --group-size 8   # the learning zone"""
 from __future__ import annotations
 
 import argparse

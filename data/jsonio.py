@@ -1,6 +1,5 @@
 """Careful JSON input and atomic output: a bad record is reported by its file and line, and a failed write
-leaves no half-written file behind (converters read all their input before writing anything).
-"""
+leaves no half-written file behind (converters read all their input before writing anything)."""
 from __future__ import annotations
 
 import contextlib

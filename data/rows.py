@@ -3,8 +3,7 @@
 A row: `{"prompt": [{"role", "content"}, ...], "data_source": str, "ability": str,
 "reward_model": {"ground_truth": any JSON}, "extra_info": {"index": int, "split": str, ...}}`;
 an SFT target lives at `extra_info["target"]`. Rows from a user's verl Parquet files load unchanged:
-only `prompt`, `data_source` and `reward_model.ground_truth` are required, other columns are kept as they are.
-"""
+only `prompt`, `data_source` and `reward_model.ground_truth` are required, other columns are kept as they are."""
 from __future__ import annotations
 
 import json

@@ -2,8 +2,7 @@
 and the official release files converted to them: `python -m data.scifact --input DIR --out DIR`.
 
 Per claim of the release: the first evidence document and its first rationale set (SUPPORT -> SUPPORTS,
-CONTRADICT -> REFUTES); a claim without evidence gets its first cited document and NOT_ENOUGH_INFO.
-"""
+CONTRADICT -> REFUTES); a claim without evidence gets its first cited document and NOT_ENOUGH_INFO."""
 from __future__ import annotations
 
 import argparse

@@ -3,8 +3,7 @@
 Each example shows 3-4 sentences, each stating one attribute of an invented company, and a claim about one
 company's attribute: SUPPORTS when a sentence states it with the same value, REFUTES with another value,
 NOT_ENOUGH_INFO when none states it; the deciding sentence is the gold evidence. Rows use the SciFact prompt
-and reward, so the demo runs the real pipeline on facts no model knows.
-"""
+and reward, so the demo runs the real pipeline on facts no model knows."""
 from __future__ import annotations
 
 import argparse

@@ -3,8 +3,7 @@
 Input JSONL: `{question, gold_answer, llm_response, gold_judgment}` (optional `domain`), the judgment A (correct),
 B (incorrect), C (incomplete or a refusal) or true/false, read by the reward's gold_judgment. The prompt is the
 verifier template filled with the question, the gold answer and the response; the ground truth is the letter.
-Training sets are rebalanced 1:1 between A and B/C: a verifier trained on a skewed set learns the majority.
-"""
+Training sets are rebalanced 1:1 between A and B/C: a verifier trained on a skewed set learns the majority."""
 from __future__ import annotations
 
 import argparse

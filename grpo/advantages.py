@@ -4,8 +4,7 @@ reward), DAPO's group filter, and the estimators behind one registry (GRPO, Dr. 
 Conventions: std with Bessel's correction, eps = 1e-6, and a group whose returns are all equal gets exactly 0 --
 zeroed explicitly, because float32 alone gives 0.056 for eight rewards of 0.7. Statistics that span the batch are
 summed over ranks by an `all_reduce_sum` argument (the identity in one process), so the math stays pure.
-Shapes: P prompts, G completions per prompt (group_size), B = P * G sequences, T response tokens.
-"""
+Shapes: P prompts, G completions per prompt (group_size), B = P * G sequences, T response tokens."""
 from __future__ import annotations
 
 from collections.abc import Callable

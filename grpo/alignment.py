@@ -1,8 +1,7 @@
 """Token-to-sentence alignment: map sentence-level rewards (character spans) onto completion tokens, each token to
 the sentence that contains its midpoint. Token spans come from incremental decoding (the text of ids[:k+1] minus
 that of ids[:k]), which tiles the decoded text exactly for every tokenizer, unlike decoding tokens one at a time
-(SentencePiece drops a lone token's leading-space marker, byte-level BPE splits characters across tokens).
-"""
+(SentencePiece drops a lone token's leading-space marker, byte-level BPE splits characters across tokens)."""
 from __future__ import annotations
 
 from collections.abc import Sequence

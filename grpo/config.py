@@ -1,7 +1,6 @@
 """The run's settings: one frozen dataclass per section of a recipe, each field with its docstring and its valid
 choices or range, checked when the section is built; `check` holds the rules that relate fields to each other and
-to the world size (start-up and `--dry-run` run it). Code that uses a setting reads its section, by the same name.
-"""
+to the world size (start-up and `--dry-run` run it). Code that uses a setting reads its section, by the same name."""
 from __future__ import annotations
 
 import math

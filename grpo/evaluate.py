@@ -1,6 +1,5 @@
 """Held-out evaluation, the one path for the trainer's scores and `launch.eval`: greedy completions scored as
-training scores them, per-prompt values kept so that each mean gets its 95% interval (grpo/stats.py).
-"""
+training scores them, per-prompt values kept so that each mean gets its 95% interval (grpo/stats.py)."""
 from __future__ import annotations
 
 import math

@@ -3,8 +3,7 @@ level) or CISPO's clipped importance weights, its aggregations, KL estimators, t
 
 Every aggregation divides by a denominator passed in from outside, the count of the WHOLE optimizer step (all
 micro-batches, all ranks), so gradient accumulation and world size do not change the gradient (torchtitan does
-the same; FSDP's own averaging is turned off to match). Shapes: B sequences, T tokens.
-"""
+the same; FSDP's own averaging is turned off to match). Shapes: B sequences, T tokens."""
 from __future__ import annotations
 
 from collections.abc import Callable

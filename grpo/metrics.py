@@ -1,6 +1,5 @@
 """Per-step metrics of the RL loop (TRL-style names), their reduction over ranks, and the warnings that catch
-silent no-learning (flat groups, truncation).
-"""
+silent no-learning (flat groups, truncation)."""
 from __future__ import annotations
 
 import math

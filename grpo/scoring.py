@@ -1,7 +1,6 @@
 """Score completions with the reward registry: the one place a completion becomes a reward, a 0/1 correctness,
 a format success and per-token sentence shaping, for training and held-out evaluation alike. A reward function
-that fails raises with the row named: it never becomes a 0 that looks like a judgement (docs/conventions.md).
-"""
+that fails raises with the row named: it never becomes a 0 that looks like a judgement (docs/conventions.md)."""
 from __future__ import annotations
 
 import math

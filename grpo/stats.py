@@ -1,6 +1,5 @@
 """Statistics for held-out claims: a mean with its 95% interval, and the paired difference of two models on the
-same prompts with its interval (Student's t; a gain counts only when its interval lies above 0).
-"""
+same prompts with its interval (Student's t; a gain counts only when its interval lies above 0)."""
 from __future__ import annotations
 
 import math

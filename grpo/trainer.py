@@ -1,8 +1,7 @@
 """The RL loop (GRPO, DAPO, Dr. GRPO, GSPO, RLOO, REINFORCE++, CISPO, process-reward GRPO) and the SFT loop (cold
 start before RL), each one function read top to bottom; docs/how_a_step_runs.md walks an RL step's phases.
 Variants are settings of the Config, not subclasses. What is global under torchrun is reduced where it is computed
-(docs/conventions.md, "What is global under torchrun"); `dist` is launch.dist.DistInfo.
-"""
+(docs/conventions.md, "What is global under torchrun"); `dist` is launch.dist.DistInfo."""
 from __future__ import annotations
 
 import faulthandler

@@ -1,7 +1,6 @@
 """From a rollout batch to optimizer steps: prepare plans the update (mini-batches of whole groups, one optimizer
 step each, made of micro-batches, one forward/backward each) and computes what it trains on; update trains.
-Shapes: P prompts, G per prompt, B = P * G rows (a prompt's G consecutive), T completion tokens.
-"""
+Shapes: P prompts, G per prompt, B = P * G rows (a prompt's G consecutive), T completion tokens."""
 from __future__ import annotations
 
 import contextlib

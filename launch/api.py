@@ -1,6 +1,5 @@
 """Training from Python through the same start-up checks and loop as `python -m launch.train` (under torchrun every
-rank runs the same script): a recipe, overrides, reward functions of the caller's own code, rows in memory.
-"""
+rank runs the same script): a recipe, overrides, reward functions of the caller's own code, rows in memory."""
 from __future__ import annotations
 
 import contextlib

@@ -4,8 +4,7 @@
 
 On the generated evidence task (data.synthetic), three arms run in turn: GRPO from the base model (it stalls: every
 group is flat), SFT, then GRPO from the SFT checkpoint; docs/demo.md says what each shows and what it measured.
-summary.md gives each held-out mean its 95% interval and each arm its paired difference to its start.
-"""
+summary.md gives each held-out mean its 95% interval and each arm its paired difference to its start."""
 from __future__ import annotations
 
 import argparse

@@ -1,7 +1,6 @@
 """This process's place in the run: the process group (torchrun) or one process, the few collectives the loops
 need, handed to them as one small frozen value (DistInfo; without torchrun the collectives are identities), the
-CPU allocator setting, and the rank's exit.
-"""
+CPU allocator setting, and the rank's exit."""
 from __future__ import annotations
 
 import contextlib

@@ -23,8 +23,7 @@ OUT.report.json) is the first filter it fails, in this order; only "kept" sample
 
 A thinking teacher is judged on its summary after the last `</think>`: the verifier paper drops the thinking,
 which adds length but no accuracy. The SFT target is the reasoning, a blank line and data.verifier's target
-line, in a copy of data.verifier's row, so SFT and the verifier reward read one format.
-"""
+line, in a copy of data.verifier's row, so SFT and the verifier reward read one format."""
 from __future__ import annotations
 
 import argparse

@@ -6,8 +6,7 @@
     python -m launch.eval compare eval/base runs/demo/eval_sft runs/demo/eval_grpo --out table.md
 
 OUT gets metrics.json, predictions.jsonl (a line per row: prompt, completion, reward, parsed fields) and
-report.md; completion_tokens counts the eos token.
-"""
+report.md; completion_tokens counts the eos token."""
 from __future__ import annotations
 
 import argparse

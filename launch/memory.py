@@ -1,7 +1,6 @@
 """Per-GPU memory of a run, estimated from the model's config.json (no weights) and the recipe: each term in GiB for
 each role (trainer ranks; rollout ranks of a separate placement) and phase (generating, training, syncing).
-launch/plan.py puts it in the plan; check_fit refuses a plan that does not fit before any weights load.
-"""
+launch/plan.py puts it in the plan; check_fit refuses a plan that does not fit before any weights load."""
 from __future__ import annotations
 
 import json

@@ -1,8 +1,7 @@
 """Merge a LoRA checkpoint's adapter into its base model: an HF directory (CHECKPOINT/merged) that init_from,
 launch.eval and vLLM load. Loading a LoRA checkpoint as a model merges it the same way on first use.
 
-    python -m launch.merge runs/demo/lora/checkpoints/step_3 [--base MODEL]
-"""
+    python -m launch.merge runs/demo/lora/checkpoints/step_3 [--base MODEL]"""
 from __future__ import annotations
 
 import argparse

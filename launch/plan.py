@@ -1,8 +1,7 @@
 """What a run gets on a target machine (device, world size, flash-attn), as pure functions of the config and the
 target: precisions, attention, vLLM's arguments, one step's engine calls, which ranks share prompts and seeds.
 `launch.train --dry-run --device cuda --world-size 8` prints them (`run_plan`); launch/build.py builds from the
-same functions, so the printed plan is what runs.
-"""
+same functions, so the printed plan is what runs."""
 from __future__ import annotations
 
 from dataclasses import dataclass

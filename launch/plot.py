@@ -2,8 +2,7 @@
 eval_comparison.png, a bar per model, written into --out.
 
     python -m launch.plot runs/demo/sft runs/demo/grpo --out runs/demo/plots
-    python -m launch.plot runs/demo/grpo runs/demo/eval_base runs/demo/eval_grpo
-"""
+    python -m launch.plot runs/demo/grpo runs/demo/eval_base runs/demo/eval_grpo"""
 from __future__ import annotations
 
 import argparse

@@ -1,8 +1,7 @@
 """Every check a start makes before any model loads, in order of cost, each a ConfigError naming the key, file or
 row: the settings' rules (with the target's plan), versions, files, rows and reward names, the run directory and its
 checkpoints, then (tokenizer only) prompt and SFT example lengths. `launch.train --dry-run` runs this and stops;
-launch/build.py runs it first (and registers the rewards), so a bad recipe fails in seconds and writes nothing.
-"""
+launch/build.py runs it first (and registers the rewards), so a bad recipe fails in seconds and writes nothing."""
 from __future__ import annotations
 
 import contextlib

@@ -1,6 +1,5 @@
 """Reading a recipe (a YAML file, a dict of its sections, or nothing) plus `key.sub=value` overrides into the typed
-Config of grpo/config.py; unknown keys (the closest valid one suggested) and wrong types fail here, naming the key.
-"""
+Config of grpo/config.py; unknown keys (the closest valid one suggested) and wrong types fail here, naming the key."""
 from __future__ import annotations
 
 import contextlib

@@ -1,7 +1,6 @@
 """The run's reward functions, built once from the `reward` section (`reward_functions`), with the model a triple
 extractor needs (rewards know no model), and the optional workers (reward.num_workers) that score a step's
-completions concurrently, started by a fork server without torch (forking the training process is not safe).
-"""
+completions concurrently, started by a fork server without torch (forking the training process is not safe)."""
 from __future__ import annotations
 
 import contextlib

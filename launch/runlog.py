@@ -1,6 +1,5 @@
 """The run directory's records: the settings of every start, metrics.jsonl, samples.jsonl, a tqdm bar with the live
-reward, optional TensorBoard and Weights & Biases. Only rank 0 writes; other ranks' methods do nothing.
-"""
+reward, optional TensorBoard and Weights & Biases. Only rank 0 writes; other ranks' methods do nothing."""
 from __future__ import annotations
 
 import contextlib

@@ -4,8 +4,7 @@
 
 A question the model always gets right (or never) gives a GRPO group with equal rewards and no gradient, so a
 question is kept when k of G sampled answers are judged correct, `min_correct <= k <= max_correct` (default 1
-and G-1). Optional "anchors" add back a few always-correct questions, reported to stabilise 3B/4B training.
-"""
+and G-1). Optional "anchors" add back a few always-correct questions, reported to stabilise 3B/4B training."""
 from __future__ import annotations
 
 import argparse

@@ -14,8 +14,7 @@ Both sides run the same sequence (j: a step; v_j: the weights after j optimizer 
              join the broadcast of v_steps; with held-out rows score them and send msg_steps (no batch)
              join the stop broadcast; leave
     trainer  msg_j -> prepare, update -> broadcast v_{j+1} -> (held-out after j + 1: msg_{j+1}'s) -> ...
-             at the end (or at a stop request): drain a message still on its way, broadcast the stop
-"""
+             at the end (or at a stop request): drain a message still on its way, broadcast the stop"""
 from __future__ import annotations
 
 import datetime

@@ -8,8 +8,7 @@
     torchrun --nnodes=2 --node_rank=$RANK --rdzv_endpoint=$HOST:29500 --nproc_per_node=8 -m launch.train ...
 
 The run directory (trainer.out_dir/trainer.run_name) gets config.yaml, metrics.jsonl, samples.jsonl,
-eval.json (held-out before/after) and checkpoints/step_<n>/ (HF format + optimizer/RNG state).
-"""
+eval.json (held-out before/after) and checkpoints/step_<n>/ (HF format + optimizer/RNG state)."""
 from __future__ import annotations
 
 import argparse

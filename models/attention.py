@@ -6,8 +6,7 @@ call that carries one of our keyword arguments (`install_dispatch`; a model forw
   transformers does on CPU whenever a mask is passed).
 - packed_segments: one padding-free row of segments (models.logprobs.pack_batch); segment (start, end,
   prefix_start, prefix_end) has queries [start, end) that attend to keys [prefix_start, prefix_end) in full and
-  causally to [start, end); with flash_attention_2, packed_varlen (varlen_layout) comes with it.
-"""
+  causally to [start, end); with flash_attention_2, packed_varlen (varlen_layout) comes with it."""
 from __future__ import annotations
 
 import torch

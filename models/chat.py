@@ -2,8 +2,7 @@
 
 Prompts are tokenised exactly once, here; the ids then travel unchanged from rollout to loss (re-tokenising
 decoded text does not round-trip, and Qwen3's template is not prefix-preserving across turns). A model's
-thinking output (`<think>...</think>`) is part of the completion ids and is never touched.
-"""
+thinking output (`<think>...</think>`) is part of the completion ids and is never touched."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence

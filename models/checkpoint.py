@@ -10,8 +10,7 @@ Layout of `step_<n>/`:
     trainer_state.json         {"step", "world_size", "has_optimizer", "lora", "extra"}
     COMPLETE                   written last: {"step", "files": {path: bytes}, "crc32": {path: CRC-32}}
 Everything is written into a hidden sibling `.step_<n>.partial` and renamed into place once COMPLETE is written,
-so a crash mid-save leaves nothing `latest_checkpoint` returns; a load checks it all before it changes anything.
-"""
+so a crash mid-save leaves nothing `latest_checkpoint` returns; a load checks it all before it changes anything."""
 from __future__ import annotations
 
 import copy

@@ -1,6 +1,5 @@
 """FSDP2 for HF causal LMs, and every collective the models package needs. Without torch.distributed initialised
-every function here also works on a plain single-process model, so callers need no branches.
-"""
+every function here also works on a plain single-process model, so callers need no branches."""
 from __future__ import annotations
 
 import os

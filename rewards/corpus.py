@@ -13,8 +13,7 @@ The token stream is 16-bit (docs/recipes.md, "Corpus counts", says why); ids tha
              [1, HIGH_IDS], second ones above, so a phrase's pattern matches only at the start of a pair; two
              separator tokens per document, so every position is exactly twice its "u16" one.
 
-No token has 0xFF as its high byte, so the engine's byte-level search for the separator finds real ones only.
-"""
+No token has 0xFF as its high byte, so the engine's byte-level search for the separator finds real ones only."""
 from __future__ import annotations
 
 import argparse

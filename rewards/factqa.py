@@ -7,8 +7,7 @@ sentences = [(char_start, char_end, r_sent)]: each sentence's triple, its head a
 together within 1000 tokens of a reference corpus (rewards.cooccurrence), the count mapped by COUNT_REWARDS
 (the corpus paper's thresholds, where its sentence accuracy jumps from 23% at count 0 to 81% at >= 20).
 The trainer adds sentence_coef * r_sent to those sentences' tokens (docs/conventions.md, "Sentence rewards"),
-an order of magnitude below the judge.
-"""
+an order of magnitude below the judge."""
 from __future__ import annotations
 
 import os

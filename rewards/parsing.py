@@ -1,8 +1,7 @@
 """Text helpers for the rewards: normalisation, token F1, tag blocks, sentence spans and JSON ground truth.
 
 Every function is total on strings (no input raises) and linear in the text length (no regex that backtracks
-over the whole text), since completions can be megabytes of junk.
-"""
+over the whole text), since completions can be megabytes of junk."""
 from __future__ import annotations
 
 import functools

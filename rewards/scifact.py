@@ -3,8 +3,7 @@ and `evidence_qa` (a smooth weighted sum for free-text answers with evidence).
 
 Completion protocol: `<answer>\\nLABEL\\n</answer>\\n\\n<evidence>\\n[1] sentence\\n[2] ...\\n</evidence>`, LABEL in
 SUPPORTS / REFUTES / NOT_ENOUGH_INFO. Ground truth: JSON `{"answer": label, "evidence": [sentence, ...]}`
-(keys `label`/`target` and `evidences`/`gold_evidence` also accepted); a non-JSON string is the answer alone.
-"""
+(keys `label`/`target` and `evidences`/`gold_evidence` also accepted); a non-JSON string is the answer alone."""
 from __future__ import annotations
 
 import functools

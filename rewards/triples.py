@@ -1,7 +1,6 @@
 """One (head, relation, tail) triple per sentence for the corpus co-occurrence reward, `extract(sentence) ->
 Triple | None`, by rules (the default) or by a model. A pronoun head or tail is rejected: "She won it" says
-nothing a corpus can check.
-"""
+nothing a corpus can check."""
 from __future__ import annotations
 
 import re

@@ -2,8 +2,7 @@
 gold label (A = correct versus B/C = incorrect or no usable answer), else 0.
 
 The verifier reads a question, a reference answer and a candidate answer (templates/verifier.txt, filled by
-verifier_prompt) and ends with `Final Judgment: \\boxed{A}`. The DAPO overlong penalty comes from the trainer.
-"""
+verifier_prompt) and ends with `Final Judgment: \\boxed{A}`. The DAPO overlong penalty comes from the trainer."""
 from __future__ import annotations
 
 import functools

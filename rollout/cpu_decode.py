@@ -2,8 +2,7 @@
 (Llama, Mistral, Qwen2, Qwen3) written out as tensor operations on the model's own modules, over key/value
 buffers of its own, without transformers' forward plumbing (mask building, output capture, its cache protocol).
 rollout.hf_engine runs it where `supported` says so; it gives the model's logits up to float rounding. What each
-part gains: bench/README.md, "Decode-step profile".
-"""
+part gains: bench/README.md, "Decode-step profile"."""
 from __future__ import annotations
 
 import torch

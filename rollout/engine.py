@@ -4,8 +4,7 @@ the request checks and text rule they share, so that all engines fail and decode
 Text rule: `completion.text == tokenizer.decode(completion.completion_ids, skip_special_tokens=True)`. A completion
 stopped by a stop string keeps the token that completed it (the policy must learn to emit it), so the text holds
 the stop string and runs past it only when that token does (stop "\\n" completed by a "\\n\\n" token). A completion
-stopped by an end-of-sequence token keeps that token in `completion_ids` (its logprob is trained), not in `text`.
-"""
+stopped by an end-of-sequence token keeps that token in `completion_ids` (its logprob is trained), not in `text`."""
 from __future__ import annotations
 
 import hashlib

@@ -2,8 +2,7 @@
 
 Why not `model.generate`: the loop needs the logprob of each sampled token under exactly the distribution it
 was drawn from, nothing read from the model's generation_config, and finished rows leaving the batch so that
-long-tail completions do not pay for short ones. The forward passes: `TransformersDecoding`, or rollout.cpu_decode.
-"""
+long-tail completions do not pay for short ones. The forward passes: `TransformersDecoding`, or rollout.cpu_decode."""
 from __future__ import annotations
 
 from typing import Iterable, Sequence

@@ -2,8 +2,7 @@
 (possibly FSDP2-sharded) policy into the engine in size-bounded buckets, so the full model is never materialised
 on top of the sharded one. Every rank calls `sync_weights` at the same point: gathering a sharded tensor is a
 collective. A bucket never splits a decoder layer (`weight_group`): vLLM rebuilds a fused q/k/v or gate/up module
-only from parts loaded in the same reload call, and a half-written one gives wrong logprobs (vLLM 0.32 CPU).
-"""
+only from parts loaded in the same reload call, and a half-written one gives wrong logprobs (vLLM 0.32 CPU)."""
 from __future__ import annotations
 
 import itertools
