@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from grpo.config import Config, ConfigError
 
 GIB = 1 << 30
@@ -21,6 +23,11 @@ ADVICE = {"activations": "lower trainer.micro_batch_size (or set trainer.max_tok
           "logits": "lower model.logprob_chunk_size", "sync_bucket": "lower rollout.sync_bucket_mb",
           "reference": "enable model.lora (the reference is then the policy) or set algorithm.kl_coef=0"}
 SHARDED_ADVICE = "train on more ranks (FSDP2 shards weights, gradients and optimizer state) or enable model.lora"
+
+
+def this_gpu_gib() -> float:
+    """The memory of the GPU this process uses (torch's current device), in GiB: what a plan must fit here."""
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIB
 
 
 def read_model_config(path: str | Path) -> dict:
