@@ -17,6 +17,7 @@ setup(
         "accelerate>=1.0",
         "safetensors>=0.4",
         "numpy>=1.26",
+        "scipy>=1.11",  # Student's t quantile of the held-out intervals (grpo.stats)
         "pyarrow>=14",
         "pyyaml>=6",
         "tqdm>=4.66",

@@ -11,7 +11,7 @@ from grpo.evaluate import evaluate, greedy_completions, summarize
 from grpo.groups import LocalRollout, PromptSampler
 from grpo.metrics import NoSignalWatch, reduce_metrics, step_metrics
 from grpo.scoring import Scorer, correctness, format_success
-from grpo.stats import mean_interval, paired_difference, t_quantile
+from grpo.stats import mean_interval, paired_difference
 from grpo.trainer import held_out_due
 from rollout.engine import Completion
 
@@ -206,8 +206,9 @@ def test_statistics_on_fixed_numbers():
     # t_{0.975, 63} = 1.998340522 (tables) -> half width 0.1258836.
     mean, low, high = mean_interval([0.0] * 32 + [1.0] * 32)
     assert mean == 0.5 and low == pytest.approx(0.3741164, abs=1e-7) and high == pytest.approx(0.6258836, abs=1e-7)
-    assert t_quantile(0.975, 9) == pytest.approx(2.262157163, abs=1e-9)
-    assert t_quantile(0.975, 1) == pytest.approx(12.70620474, abs=1e-8)
+    # 5 zeros and 5 ones: s / sqrt(10) = sqrt(10 * 0.25 / 9) / sqrt(10) = 1/6; t_{0.975, 9} = 2.262157163 (tables).
+    assert mean_interval([0.0] * 5 + [1.0] * 5) == pytest.approx((0.5, 0.5 - 2.262157163 / 6, 0.5 + 2.262157163 / 6),
+                                                                 abs=1e-9)
     # Paired: after - before = [0.1, 0.3] -> mean 0.2, s = 0.1414214, se = 0.1, t_{0.975, 1} = 12.7062047.
     assert paired_difference([0.5, 0.2], [0.6, 0.5]) == pytest.approx((0.2, 0.2 - 1.270620474, 0.2 + 1.270620474))
     assert math.isnan(mean_interval([1.0])[1]) and mean_interval([math.nan, 1.0, 1.0])[0] == 1.0
