@@ -2,6 +2,7 @@
 leaves no half-written file behind (converters read all their input before writing anything)."""
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import json
@@ -16,16 +17,14 @@ MAX_LINE_BYTES = 4 * 1024 * 1024
 _SPACE = re.compile(r"[ \t\r\n]*")  # JSON's whitespace
 
 
-def _excerpt(text: str) -> str:
-    """A short, printable start of `text` for an error message (never the whole 10 MB line)."""
-    text = text.strip()
-    return repr(text[:60] + ("..." if len(text) > 60 else ""))
+def _clip(text: str) -> str:
+    """The first 60 characters of `text` for an error message (never the whole 10 MB line)."""
+    return text[:60] + "..." if len(text) > 60 else text
 
 
 def describe(value: Any) -> str:
     """A value's type and the start of its repr, for an error message: `int 4`, `str 'abc'`."""
-    text = repr(value)
-    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+    return f"{type(value).__name__} {_clip(repr(value))}"
 
 
 def check_file(path: Path) -> None:
@@ -69,7 +68,7 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
                 record = json.loads(text)
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path}:{line_number}: invalid JSON ({error.msg} at column {error.colno}): "
-                                 f"{_excerpt(text)}") from None
+                                 f"{_clip(text.strip())!r}") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{line_number}: expected a JSON object, got {type(record).__name__}")
             seen_any = True
@@ -85,19 +84,17 @@ def read_json_array(path: str | Path) -> list[tuple[int, dict]]:
     check_file(path)
     lines = path.read_bytes().split(b"\n")  # decoded by line to report binary junk by line, as iter_jsonl does
     text = "\n".join(_decode(raw, path, number) for number, raw in enumerate(lines, start=1)).removeprefix("\ufeff")
-    line, counted = 1, 0
+    newlines = [match.start() for match in re.finditer("\n", text)]
 
-    def line_of(position: int) -> int:  # counted on from the previous call (positions only grow), not from 0
-        nonlocal line, counted
-        line, counted = line + text.count("\n", counted, position), position
-        return line
+    def line_of(position: int) -> int:
+        return bisect.bisect_left(newlines, position) + 1  # the newlines before `position`, plus one
 
     position = _SPACE.match(text).end()
     if position == len(text):
         raise ValueError(f"{path}: the file is empty (only whitespace)")
     if text[position] != "[":
         raise ValueError(f"{path}:{line_of(position)}: expected a JSON array starting with '[', got "
-                         f"{_excerpt(text[position:])}")
+                         f"{_clip(text[position:].strip())!r}")
     position = _SPACE.match(text, position + 1).end()
     if text.startswith("]", position):
         raise ValueError(f"{path}: the JSON array is empty")
