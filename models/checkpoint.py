@@ -45,12 +45,6 @@ class CheckpointWriteError(OSError):
     bytes needed; its partial directory is gone and the checkpoints written before are untouched."""
 
 
-def _hf_class_name(model: torch.nn.Module) -> str:
-    # FSDP2 subclasses the model's class on the fly (FSDPLlamaForCausalLM); the config must name the HF one.
-    names = [cls.__name__ for cls in type(model).__mro__ if cls.__module__.startswith("transformers.")]
-    return next((name for name in names if not name.startswith("FSDP")), type(model).__name__)
-
-
 def _trained_weights(model: torch.nn.Module) -> tuple[list[tuple[str, torch.Tensor]], str]:
     """What a checkpoint holds of the model, as (file name, parameter: a DTensor shard or a plain tensor) in
     module order, and the file: every weight, or a LoRA model's adapter tensors under PeftModel's names
@@ -84,7 +78,9 @@ def _write_model(directory: Path, model: torch.nn.Module, tokenizer) -> None:
     directory.mkdir(exist_ok=True)
     save_file(weights, directory / WEIGHTS, metadata={"format": "pt"})
     config = copy.deepcopy(model.config)
-    config.architectures = [_hf_class_name(model)]
+    # FSDP2 subclasses the model's class on the fly (FSDPLlamaForCausalLM); the config must name the HF one.
+    names = [cls.__name__ for cls in type(model).__mro__ if cls.__module__.startswith("transformers.")]
+    config.architectures = [next((name for name in names if not name.startswith("FSDP")), type(model).__name__)]
     config.use_cache = True  # training turns the KV cache off; generation from the export wants it on
     dtypes = {tensor.dtype for tensor in weights.values() if tensor.is_floating_point()}
     if len(dtypes) == 1:
