@@ -1,5 +1,6 @@
 """From a step's rewards to its advantages: the penalties added to rewards (DAPO's overlong shaping, the KL in the
-reward), DAPO's group filter, and the estimators behind one registry (GRPO, Dr. GRPO, batch std, RLOO, REINFORCE++).
+reward), DAPO's group filter, the estimators behind one registry (GRPO, Dr. GRPO, batch std, RLOO, REINFORCE++)
+and on-policy distillation's per-token signal.
 
 Conventions: std with Bessel's correction, eps = 1e-6, and a group whose returns are all equal gets exactly 0 --
 zeroed explicitly, because float32 alone gives 0.056 for eight rewards of 0.7. Statistics that span the batch are
@@ -183,6 +184,21 @@ def kl_reward_penalty(kl_values: Tensor, mask: Tensor, coef: float) -> Tensor:
     return -coef * (kl_values.detach() * mask.to(kl_values.dtype)).sum(dim=1)
 
 
+def distill_advantages(teacher_logprobs: Tensor, student_logprobs: Tensor, mask: Tensor, coef: float) -> Tensor:
+    """On-policy distillation's advantage [B, T] (Agarwal et al. 2024; Thinking Machines 2025): on the tokens the
+    student sampled, coef * (teacher logprob - student logprob), the negative per-token reverse-KL estimate, 0 on
+    padding; no baseline, no sum over later tokens (docs/conventions.md, "On-policy distillation"). Inputs [B, T].
+
+    >>> distill_advantages(torch.tensor([[-0.5, -2.0, -9.0]]), torch.tensor([[-1.0, -1.0, -1.0]]),
+    ...                    torch.tensor([[1, 1, 0]]), 2.0)
+    tensor([[ 1., -2.,  0.]])
+    """
+    check_ndim(teacher_logprobs, "teacher_logprobs", 2)
+    check_same_shape(student_logprobs, "student_logprobs", teacher_logprobs, "teacher_logprobs")
+    check_same_shape(mask, "mask", teacher_logprobs, "teacher_logprobs")
+    return (coef * (teacher_logprobs - student_logprobs)).masked_fill(mask == 0, 0.0)
+
+
 AllReduceSum = Callable[[Tensor], Tensor]
 WHITEN_EPS = 1e-8  # REINFORCE++'s whitening: (x - mean) * rsqrt(var + 1e-8), verl's masked_whiten
 
@@ -263,6 +279,14 @@ def reinforce_pp_advantages(rewards: Tensor, token_shaping: Tensor, mask: Tensor
     mean = moments[1] / moments[0].clamp(min=1)
     whitened = (returns - mean) * torch.rsqrt(_moments_var(moments) + WHITEN_EPS)
     return whitened.to(rewards.dtype) * mask.to(rewards.dtype)
+
+
+@register_estimator("none", token_returns=False)
+def no_advantages(rewards: Tensor, token_shaping: Tensor, mask: Tensor, group_size: int, *, eps: float,
+                  weights: Tensor | None, all_reduce_sum: AllReduceSum) -> Tensor:
+    """No task advantage: 0 everywhere, for on-policy distillation alone (the teacher's signal is added after; the
+    rewards are still scored and logged)."""
+    return torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device)
 
 
 def compute_advantages(estimator: str, rewards: Tensor, token_shaping: Tensor, mask: Tensor, group_size: int, *,

@@ -248,6 +248,10 @@ class AlgorithmConfig(Section):
     """Truncated IS for the rollout/trainer mismatch: weights min(exp(old - rollout), cap); null is off."""
     tis_level: str = choice("token", ("token", "sequence"))
     """token or sequence."""
+    teacher: str | None = None
+    """On-policy distillation: the teacher (model path or checkpoint, the student's tokenizer); null is off."""
+    distill_coef: float = bounded(1.0, 0)
+    """Weight of the teacher's per-token signal, teacher logprob - student logprob, added to the advantage."""
 
 
 @dataclass(frozen=True)
@@ -453,6 +457,10 @@ def check_algorithm(algo: AlgorithmConfig) -> None:
         # A token mean would weight each sequence by its length: another objective (verl forces this one for GSPO).
         raise ConfigError(f"algorithm.ratio_level=sequence (GSPO) with algorithm.agg={algo.agg}: GSPO's objective "
                           f"is a mean over sequences; set algorithm.agg={GSPO_AGGREGATION}")
+    if algo.adv_estimator == "none" and (algo.teacher is None or algo.distill_coef == 0):
+        raise ConfigError(f"algorithm.adv_estimator=none leaves only on-policy distillation's signal: it needs "
+                          f"algorithm.teacher (got {algo.teacher}) and algorithm.distill_coef > 0 (got "
+                          f"{algo.distill_coef})")
     if algo.kl_in_reward and algo.kl_coef <= 0:
         raise ConfigError(f"algorithm.kl_in_reward=true needs algorithm.kl_coef > 0 (got {algo.kl_coef}): it "
                           f"is the coefficient of the KL subtracted from the reward")

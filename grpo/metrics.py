@@ -47,7 +47,7 @@ def step_metrics(batch, rewards: Tensor, group_size: int, updates: list[dict], t
         **{f"time_{k}": v for k, v in times.items()},
     }
     for key in ("clip_frac_upper", "clip_frac_lower", "clip_frac_dual", "approx_kl", "ratio_mean", "entropy",
-                "logprob_gap", "kl", "tis_weight_mean", "tis_clip_frac"):
+                "logprob_gap", "kl", "distill_reverse_kl", "tis_weight_mean", "tis_clip_frac"):
         if any(key in u for u in updates):
             metrics[key] = _nanmean([u[key] for u in trained if key in u])
     metrics["ratio_max"] = max((u["ratio_max"] for u in trained), default=float("nan"))

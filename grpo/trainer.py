@@ -110,6 +110,7 @@ class Parts:
     pad_id: int
     vocab_size: int | None = None  # the ids the engines can sample: the trainer normalises over them
     reference: torch.nn.Module | None = None  # the KL reference (the policy itself with LoRA: adapters off)
+    teacher: torch.nn.Module | None = None  # on-policy distillation's frozen teacher
     examples: Sequence[tuple[list[int], list[int]]] = ()  # SFT: (prompt ids, target ids) per training row
     sampler: PromptSampler | None = None  # SFT: this rank's order over the examples
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from grpo.advantages import compute_advantages, kl_reward_penalty, overlong_penalty
+from grpo.advantages import compute_advantages, distill_advantages, kl_reward_penalty, overlong_penalty
 from grpo.config import Config
 from grpo.groups import Batch
 from grpo.losses import kl_penalty, loss_denominator, masked_mean, rl_loss
@@ -153,9 +153,9 @@ def all_rows(pass_fn: Callable[[dict], Tensor], mini_batches: list[MiniBatch], s
     return out
 
 
-def reference_logprobs(parts, inputs: dict) -> Tensor:
-    """The KL reference's logprobs of one micro-batch (with LoRA: the policy module itself, adapters disabled)."""
-    model = parts.reference
+def frozen_logprobs(parts, model, inputs: dict) -> Tensor:
+    """A frozen model's logprobs of one micro-batch: the KL reference (with LoRA: the policy module itself, adapters
+    disabled) or the distillation teacher."""
     adapters_off = disabled_adapters(model) if model is parts.policy.model else contextlib.nullcontext()
     with adapters_off, evaluating(model):
         return logprob_pass(model, parts.cfg, parts.vocab_size, inputs)[0]
@@ -164,24 +164,28 @@ def reference_logprobs(parts, inputs: dict) -> Tensor:
 def prepare(parts, batch: Batch, dist) -> Prepared:
     """What the update trains on: its plan, the old and reference logprobs (once per rollout, before any update,
     in eval mode: the engines sample without dropout), the rewards with their penalties (DAPO's overlong shaping,
-    verl's KL in the reward) and the advantages. parts: grpo.trainer.Parts."""
+    verl's KL in the reward) and the advantages, the distillation teacher's signal included. parts:
+    grpo.trainer.Parts."""
     cfg, model = parts.cfg, parts.policy.model
     algo = cfg.algorithm
     to_device = lambda reduce: lambda t: reduce(t.to(dist.device)).cpu()  # noqa: E731
     mini_batches = plan_update(batch.completions, batch.mask, cfg, dist.world_size, parts.pad_id,
                                all_reduce_sum=to_device(dist.all_reduce_sum),
                                all_reduce_max=to_device(dist.all_reduce_max))
-    # The old logprobs need a pass of their own with several optimizer steps per rollout, the KL in the reward (it
-    # needs them before the update), or dropout (the update's pass would differ from the engines').
+    # The old logprobs need a pass of their own with several optimizer steps per rollout, the KL in the reward or
+    # distillation (they need them before the update), or dropout (the update's pass would differ from the engines').
     one_update = algo.ppo_epochs == 1 and algo.ppo_mini_batch_size in (None, cfg.trainer.prompts_per_step)
     with torch.no_grad(), evaluating(model):
-        old = None
-        if not one_update or algo.kl_in_reward or dropout_active(model):
+        old = ref = teacher = None
+        if not one_update or algo.kl_in_reward or parts.teacher is not None or dropout_active(model):
             old = all_rows(lambda inputs: logprob_pass(model, cfg, parts.vocab_size, inputs)[0], mini_batches,
                            batch.mask.shape)
-        ref = None
         if parts.reference is not None:
-            ref = all_rows(lambda inputs: reference_logprobs(parts, inputs), mini_batches, batch.mask.shape)
+            ref = all_rows(lambda inputs: frozen_logprobs(parts, parts.reference, inputs), mini_batches,
+                           batch.mask.shape)
+        if parts.teacher is not None:
+            teacher = all_rows(lambda inputs: frozen_logprobs(parts, parts.teacher, inputs), mini_batches,
+                               batch.mask.shape)
     rewards, metrics = batch.rewards.clone(), {}
     if algo.overlong_cache_len > 0:
         rewards += overlong_penalty(batch.lengths, cfg.rollout.max_new_tokens, algo.overlong_cache_len,
@@ -193,6 +197,9 @@ def prepare(parts, batch: Batch, dist) -> Prepared:
     advantages = compute_advantages(algo.adv_estimator, rewards, batch.token_shaping, batch.mask, cfg.rollout.n,
                                     eps=algo.adv_eps, weights=batch.loss_weight,
                                     all_reduce_sum=to_device(dist.all_reduce_sum))
+    if teacher is not None:
+        advantages += distill_advantages(teacher, old, batch.mask, algo.distill_coef)
+        metrics["distill_reverse_kl"] = float(masked_mean(old - teacher, batch.mask))
     rollout = torch.zeros(batch.mask.shape)  # the engine's logprobs, zero-padded on the right
     for b, completion in enumerate(batch.completions):
         rollout[b, : len(completion.logprobs)] = torch.as_tensor(completion.logprobs, dtype=torch.float32)

@@ -86,9 +86,11 @@ def build_scorer(cfg: Config, dist: DistInfo, prepared: Prepared) -> tuple[Score
                   correct_threshold=cfg.reward.correct_threshold, compute_scores=compute_scores), pool
 
 
-def _load(cfg: Config, dist: DistInfo, prepared: Prepared, target: Target, *, policy: bool) -> torch.nn.Module:
-    """The policy (master weights in model.dtype, LoRA, gradient checkpointing) or the frozen reference (compute
-    dtype); under torchrun only rank 0 reads the weights, the others receive their shards (load_sharded_model)."""
+def _load(cfg: Config, dist: DistInfo, source: str | None, key: str, target: Target, *,
+          policy: bool) -> torch.nn.Module:
+    """The policy (master weights in model.dtype, LoRA, gradient checkpointing) or a frozen model, the KL reference
+    or the distillation teacher (compute dtype, eval mode, no gradients), from `source` (named by config `key`);
+    under torchrun only rank 0 reads the weights, the others receive their shards (load_sharded_model)."""
     lora = cfg.model.lora
 
     def add_lora(model):
@@ -104,28 +106,29 @@ def _load(cfg: Config, dist: DistInfo, prepared: Prepared, target: Target, *, po
                   gradient_checkpointing=policy and cfg.model.gradient_checkpointing)
     try:
         if dist.sharded:
-            return load_sharded_model(prepared.source, dist.mesh, param_dtype=getattr(torch, cfg.model.param_dtype),
-                                      prepare=prepare_model, **common)
-        model = load_model(prepared.source, **common)
-        if prepare_model is not None:
-            prepare_model(model)
-        return model
+            model = load_sharded_model(source, dist.mesh, param_dtype=getattr(torch, cfg.model.param_dtype),
+                                       prepare=prepare_model, **common)
+        else:
+            model = load_model(source, **common)
+            if prepare_model is not None:
+                prepare_model(model)
     except ConfigError:
         raise
     except (OSError, ValueError) as error:
-        raise ConfigError(f"{prepared.source_key}: {error}") from None
+        raise ConfigError(f"{key}: {error}") from None
+    return model if policy else model.eval().requires_grad_(False)
 
 
 def _policy(cfg: Config, dist: DistInfo, prepared: Prepared, target: Target) -> tuple[Policy, torch.nn.Module | None]:
     """(Policy: model, fused AdamW, lr schedule; the KL reference or None: the frozen start, with LoRA the policy)."""
-    model = _load(cfg, dist, prepared, target, policy=True)
+    model = _load(cfg, dist, prepared.source, prepared.source_key, target, policy=True)
     if not dist.sharded:
         compute_in(model, getattr(torch, cfg.model.param_dtype))  # FSDP2 does this under torchrun
     model.train()  # gradient checkpointing and dropout only act in train mode; engines restore it after generate
     reference = None
     if cfg.stage == "rl" and cfg.algorithm.kl_coef > 0:
         reference = (model if cfg.model.lora.enabled
-                     else _load(cfg, dist, prepared, target, policy=False).eval().requires_grad_(False))
+                     else _load(cfg, dist, prepared.source, prepared.source_key, target, policy=False))
     # fused: one kernel over all parameters (DTensor shards too), faster than the per-parameter loop on CPU.
     optim = cfg.optim
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=optim.lr,
@@ -166,6 +169,9 @@ def _training(cfg: Config, dist: DistInfo, prepared: Prepared, run_dir: Path, sc
         keep_freed_memory()
     target = Target.here(dist.world_size, torchrun=dist.sharded)
     policy, reference = _policy(cfg, dist, prepared, target)
+    teacher = None
+    if cfg.stage == "rl" and cfg.algorithm.teacher is not None:
+        teacher = _load(cfg, dist, cfg.algorithm.teacher, "algorithm.teacher", target, policy=False)
     rollout = None
     if dist.role == "trainer":  # the batches come from the engine ranks (launch/separate.py)
         rollout = RemoteRollout(cfg, dist, policy.model, has_held_out=bool(prepared.eval_rows))
@@ -210,7 +216,7 @@ def _training(cfg: Config, dist: DistInfo, prepared: Prepared, run_dir: Path, sc
     parts = Parts(cfg=cfg, policy=policy, rollout=rollout, log=log, checkpoints=checkpoints,
                   pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
                   vocab_size=sampleable_vocab_size(policy.model, tokenizer), reference=reference,
-                  examples=prepared.examples, sampler=sampler)
+                  teacher=teacher, examples=prepared.examples, sampler=sampler)
     return Run(train_sft if cfg.stage == "sft" else train_rl, parts, _finish_training, cfg, dist, run_dir,
                checkpoints, log, pool)
 

@@ -15,13 +15,14 @@ BYTES = {"float32": 4, "bfloat16": 2}
 # A CUDA context with lazy module loading (~0.5 GiB) plus NCCL's communicator buffers and streams (~0.5 GiB at 8
 # ranks); the caching allocator's fragmentation is not counted. Zero on CPU.
 CUDA_CONTEXT_GIB = 1.0
-ORDER = ("weights", "gradients", "optimizer", "reference", "gathered", "activations", "logits", "vllm", "engine_copy",
-         "kv_cache", "sync_bucket", "cuda_context", "total")
+ORDER = ("weights", "gradients", "optimizer", "reference", "teacher", "gathered", "activations", "logits", "vllm",
+         "engine_copy", "kv_cache", "sync_bucket", "cuda_context", "total")
 LOGITS_FACTOR = 3  # one fp32 [C, V] block: the logits, log_softmax's output and, in backward, its gradient
 ADVICE = {"activations": "lower trainer.micro_batch_size (or set trainer.max_tokens_per_micro_batch)",
           "vllm": "lower rollout.vllm_gpu_memory_utilization", "kv_cache": "lower trainer.prompts_per_step",
           "logits": "lower model.logprob_chunk_size", "sync_bucket": "lower rollout.sync_bucket_mb",
-          "reference": "enable model.lora (the reference is then the policy) or set algorithm.kl_coef=0"}
+          "reference": "enable model.lora (the reference is then the policy) or set algorithm.kl_coef=0",
+          "teacher": "train on more ranks (FSDP2 shards the teacher too) or use a smaller algorithm.teacher"}
 SHARDED_ADVICE = "train on more ranks (FSDP2 shards weights, gradients and optimizer state) or enable model.lora"
 
 
@@ -34,6 +35,12 @@ def read_model_config(path: str | Path) -> dict:
     """A model's config.json (a file or the directory holding it)."""
     path = Path(path)
     return json.loads((path / "config.json" if path.is_dir() else path).read_text())
+
+
+def teacher_config(cfg: Config) -> dict | None:
+    """The distillation teacher's config.json where its directory is here (None: sized as the student)."""
+    path = Path(cfg.algorithm.teacher or "") / "config.json"
+    return read_model_config(path) if cfg.algorithm.teacher and path.is_file() else None
 
 
 def shapes(model: dict) -> dict:
@@ -118,17 +125,20 @@ def engine_terms(cfg: Config, plan: dict, model: dict, gpu_gib: float | None, ro
     return terms
 
 
-def estimate(cfg: Config, plan: dict, model: dict, gpu_gib: float | None = None) -> dict:
+def estimate(cfg: Config, plan: dict, model: dict, gpu_gib: float | None = None, teacher: dict | None = None) -> dict:
     """Every term in GiB per role and phase, from the plan's own decisions (precision, placement, engine cycle, vLLM's
-    arguments) and the model's config.json; with gpu_gib, whether each fits and, where one does not, why."""
+    arguments) and the model's config.json (and the distillation teacher's, default the model's); with gpu_gib,
+    whether each fits and, where one does not, why."""
     sharded, lora, counts, s = plan["target"]["torchrun"], cfg.model.lora, param_counts(model), shapes(model)
     master, compute = (BYTES[plan["precision"]["policy"][key]] for key in ("param", "compute"))
-    shards, reference = len(plan["placement"]["trainer_ranks"]) if sharded else 1, plan["precision"]["reference"]
+    shards = len(plan["placement"]["trainer_ranks"]) if sharded else 1
+    reference, taught = plan["precision"]["reference"], plan["precision"]["teacher"]
     trainable = lora_params(model, lora.rank, lora.target_modules) if lora.enabled else counts["total"]
     tokens, ckpt = tokens_per_micro_batch(cfg), cfg.model.gradient_checkpointing
     state = {"weights": (counts["total"] + trainable * lora.enabled) * master / shards,
              "gradients": trainable * master / shards, "optimizer": 2 * trainable * master / shards,  # AdamW: 2 moments
              "reference": counts["total"] * compute / shards if reference and "shares" not in reference else 0,
+             "teacher": param_counts(teacher or model)["total"] * compute / shards if taught else 0,
              # FSDP2: a layer in use, one prefetched and the root (embedding, lm_head); autocast caches every cast
              "gathered": (2 * counts["layer"] + counts["embedding"] + counts["head"]) * compute if sharded
              else counts["total"] * compute * (compute != master),
@@ -140,7 +150,7 @@ def estimate(cfg: Config, plan: dict, model: dict, gpu_gib: float | None = None)
     for role in ["trainer"] + ["rollout"] * (cfg.rollout.placement == "separate"):
         roles[role] = {}
         for phase in ("generating", "training", "syncing") if cfg.stage == "rl" else ("training",):
-            kept = tuple(state) if phase == "training" else ("weights", "optimizer", "reference")
+            kept = tuple(state) if phase == "training" else ("weights", "optimizer", "reference", "teacher")
             terms = {name: state[name] for name in kept if role == "trainer" and name in state and state[name]}
             terms.update(engine_terms(cfg, plan, model, gpu_gib, role, phase))
             terms["sync_bucket"] = (cfg.rollout.sync_bucket_mb << 20) * (phase == "syncing")  # in the engine dtype

@@ -59,18 +59,20 @@ def model_len(cfg: Config) -> int:
 
 def precision(cfg: Config, target: Target) -> dict:
     """The dtypes of every path: the policy's master weights (model.dtype), compute (model.param_dtype) and float32
-    gradients; a frozen reference needs no master copy (stored in the compute dtype); logits are float32."""
+    gradients; a frozen reference or distillation teacher needs no master copy (stored in the compute dtype);
+    logits are float32."""
     compute, mechanism = cfg.model.param_dtype, "none"
     if target.sharded:
         mechanism = "FSDP2 MixedPrecisionPolicy"
     elif compute != cfg.model.dtype:
         mechanism = "torch.autocast"
     policy = {"param": cfg.model.dtype, "compute": compute, "reduce": "float32", "mechanism": mechanism}
-    reference = None
+    frozen, reference = {"param": compute, "compute": compute, "reduce": None, "mechanism": "none"}, None
     if cfg.stage == "rl" and cfg.algorithm.kl_coef > 0:
         reference = (dict(policy, shares="the policy with its LoRA adapters disabled") if cfg.model.lora.enabled
-                     else {"param": compute, "compute": compute, "reduce": None, "mechanism": "none"})
-    return {"policy": policy, "reference": reference, "logits": "float32", "engine": compute}
+                     else frozen)
+    teacher = frozen if cfg.stage == "rl" and cfg.algorithm.teacher is not None else None
+    return {"policy": policy, "reference": reference, "teacher": teacher, "logits": "float32", "engine": compute}
 
 
 def attention(cfg: Config, target: Target) -> str:
@@ -187,9 +189,10 @@ def process_groups(cfg: Config, target: Target) -> dict[str, dict]:
 
 
 def run_plan(cfg: Config, target: Target, model_path: str = "<model directory>", model_config: dict | None = None,
-             gpu_gib: float | None = None) -> dict:
+             gpu_gib: float | None = None, teacher_config: dict | None = None) -> dict:
     """The whole plan as one JSON-able object (what --dry-run prints); checked first (check_plan). With the model's
-    config.json, the per-GPU memory estimate (launch.memory), checked against gpu_gib where given."""
+    config.json, the per-GPU memory estimate (launch.memory), checked against gpu_gib where given; the teacher's
+    config.json sizes the distillation teacher (default: the student's)."""
     check_plan(cfg, target)
     plan = {"target": {"device": target.device, "world_size": target.world_size, "flash_attn": target.flash_attn,
                        "torchrun": target.sharded},
@@ -211,5 +214,5 @@ def run_plan(cfg: Config, target: Target, model_path: str = "<model directory>",
         plan["batch"] = step_batch(cfg, shares)
     if cfg.rollout.engine == "vllm":
         plan["vllm"] = vllm_arguments(cfg, target, model_path)
-    plan["memory"] = estimate(cfg, plan, model_config, gpu_gib) if model_config is not None else None
+    plan["memory"] = estimate(cfg, plan, model_config, gpu_gib, teacher_config) if model_config is not None else None
     return plan

@@ -16,7 +16,7 @@ import yaml
 import rewards
 from data.rows import numbered_rows, validate_row
 from grpo.config import Config, ConfigError, resume_differences, startup_warnings
-from launch.memory import check_fit, read_model_config, this_gpu_gib
+from launch.memory import check_fit, read_model_config, teacher_config, this_gpu_gib
 from launch.plan import Target, check_plan, run_plan
 from models import load_tokenizer, render_prompt, resolve_model_dir
 from models.checkpoint import check_files, complete_checkpoints
@@ -33,10 +33,15 @@ MAKERS = (("runs/demo/", "make demo"),
           ("runs/veriseek_sft/", "python -m launch.train --config launch/configs/veriseek_sft.yaml"))
 
 
+def _made_by(path: str) -> str:
+    """" (made by: <command>)" when a shipped recipe names `path`, else ""."""
+    makers = [command.format(path=path) for prefix, command in MAKERS if prefix in Path(path).as_posix()]
+    return f" (made by: {makers[0]})" if makers else ""
+
+
 def _not_found(key: str, what: str, path: str) -> ConfigError:
     """`key: <what> not found: <path>`, with the command that makes it when a shipped recipe names it."""
-    makers = [command.format(path=path) for prefix, command in MAKERS if prefix in Path(path).as_posix()]
-    return ConfigError(f"{key}: {what} not found: {path}" + (f" (made by: {makers[0]})" if makers else ""))
+    return ConfigError(f"{key}: {what} not found: {path}{_made_by(path)}")
 
 
 def check_versions(cfg: Config, torch_version: str | None = None, vllm_version: str | None = None) -> None:
@@ -164,6 +169,22 @@ def _check_run_directory(cfg: Config, run_dir: Path, notes: list[str]) -> Path |
     return latest
 
 
+def _check_teacher(cfg: Config, tokenizer, student: str) -> None:
+    """The distillation teacher has weights and the student's tokenizer: its logprobs are of the same token ids."""
+    teacher = cfg.algorithm.teacher
+    try:
+        resolve_model_dir(teacher)
+        teacher_tokenizer = load_tokenizer(teacher, trust_remote_code=cfg.model.trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"algorithm.teacher: {error}{_made_by(teacher)}") from None
+    theirs, ours = teacher_tokenizer.get_vocab(), tokenizer.get_vocab()
+    if theirs != ours:
+        differing = sorted(set(theirs.items()) ^ set(ours.items()), key=lambda item: item[1])[:3]
+        raise ConfigError(f"algorithm.teacher={teacher}: its tokenizer differs from the student's ({student}): "
+                          f"{len(theirs)} against {len(ours)} entries, e.g. {differing}; on-policy distillation "
+                          f"scores the student's token ids under the teacher, so both need one vocabulary")
+
+
 @dataclass(frozen=True)
 class Prepared:
     """What the checks produced, for launch/build.py."""
@@ -213,8 +234,11 @@ def prepare(cfg: Config, dist, *, rows: list[dict] | None = None, eval_rows: lis
         tokenizer = load_tokenizer(source, trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError) as error:
         raise ConfigError(f"{key}: {error}") from None
+    if cfg.stage == "rl" and cfg.algorithm.teacher is not None:
+        _check_teacher(cfg, tokenizer, f"{key}={source or 'the embedded model'}")
     if here.device == "cuda" and (model_dir / "config.json").is_file():  # memory from config.json, no weights
-        check_fit(run_plan(cfg, here, str(model_dir), read_model_config(model_dir), this_gpu_gib())["memory"])
+        check_fit(run_plan(cfg, here, str(model_dir), read_model_config(model_dir), this_gpu_gib(),
+                           teacher_config(cfg))["memory"])
     train, prompt_ids = _tokenize_prompts(cfg, tokenizer, train, notes)
     if not train:
         raise ConfigError(f"data.filter_overlong_prompts: no training row has a prompt of at most "

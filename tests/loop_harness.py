@@ -123,6 +123,9 @@ CASES = {
     "reinforce_pp": ["algorithm.adv_estimator=reinforce_pp", "reward.sentence_coef=0"],
     "rloo_cispo": ["algorithm.adv_estimator=rloo", "reward.sentence_coef=0", "algorithm.policy_loss=cispo",
                    "algorithm.ppo_epochs=2", "optim.lr=0.1"],
+    # On-policy distillation with the starting model as the teacher: step 1's signal is exactly 0 (teacher =
+    # student), step 2's pulls the once-updated student back towards it; sharded teacher passes on 2 ranks.
+    "distill": ["trainer.steps=2", "algorithm.teacher={MODEL}", "algorithm.distill_coef=0.5"],
 }
 WORDS = ["idea", "xyz", "queue", "rst", "aeiou", "bcd"]
 
@@ -143,7 +146,7 @@ def write_rows(path) -> None:
 
 def case_overrides(case: str, world_size: int, model_dir, rows_path, out_dir, *extra: str) -> list[str]:
     """The full override list of `case` at this world size: 4 prompts x G = 4 per step in all."""
-    fill = {"{P}": str(4 // world_size), "{MINI}": "2"}  # ppo_mini_batch_size counts prompts over all ranks
+    fill = {"{P}": str(4 // world_size), "{MINI}": "2", "{MODEL}": str(model_dir)}  # MINI: prompts over all ranks
     overrides = [f"model.name_or_path={model_dir}", f"data.train_files=['{rows_path}']",
                  "reward.functions={tests_vowels: 'rewards_for_tests:vowel_fraction'}", "rollout.n=4",
                  "rollout.max_new_tokens=16", "trainer.prompts_per_step={P}", "trainer.steps=1",

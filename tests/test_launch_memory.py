@@ -46,6 +46,22 @@ def test_qwen3_4b_count_by_hand():
     assert counts["total"] == 4_022_468_096
 
 
+def test_distillation_teacher_is_a_frozen_sharded_copy_of_its_own_size():
+    student, teacher = read_model_config(MODELS / "qwen3-1.7b"), read_model_config(MODELS / "qwen3-8b")
+    cfg = load_config(VERISEEK, ["algorithm.teacher=Qwen/Qwen3-8B"])
+    plan = run_plan(cfg, Target("cuda", 8, True), model_config=student, gpu_gib=80, teacher_config=teacher)
+    assert plan["precision"]["teacher"] == {"param": "bfloat16", "compute": "bfloat16", "reduce": None,
+                                            "mechanism": "none"}
+    # bf16 (2 bytes) over 8 ranks, held in every phase like the reference: the 8B's count, not the 1.7B's.
+    terms = plan["memory"]["roles"]["trainer"]
+    assert all(terms[phase]["teacher"] == round(param_counts(teacher)["total"] * 2 / 8 / GIB, 3)
+               for phase in ("generating", "training", "syncing"))
+    # Without the teacher's config.json it is sized as the student; without a teacher there is no term.
+    assert run_plan(cfg, Target("cuda", 8, True), model_config=student)["memory"]["roles"]["trainer"]["training"][
+        "teacher"] == round(param_counts(student)["total"] * 2 / 8 / GIB, 3)
+    assert "teacher" not in _veriseek("qwen3-1.7b")["roles"]["trainer"]["training"]
+
+
 def test_veriseek_terms_derived_by_hand():
     memory = _veriseek()
     training = memory["roles"]["trainer"]["training"]

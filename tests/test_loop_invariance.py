@@ -6,8 +6,8 @@ loop_harness.sgd_policy: comparing weights then compares gradients).
 One process x 4 prompts is compared with 2 ranks x 2 prompts (ONE torchrun launch of tests/dist_invariance.py
 runs every case) for: the plain step, adv_estimator=batch_std (the std is all-reduced), sentence shaping, dynamic
 sampling with filler groups, LoRA, 2 PPO mini-batches x 2 epochs with KL and entropy terms, GSPO with the KL
-in the reward over 2 steps, token-budget micro-batches, REINFORCE++ (whitened over every rank's tokens), and
-RLOO with CISPO over 2 epochs; and on one process, micro-batches of 2 vs 8 rows
+in the reward over 2 steps, token-budget micro-batches, REINFORCE++ (whitened over every rank's tokens),
+RLOO with CISPO over 2 epochs, and on-policy distillation over 2 steps; and on one process, micro-batches of 2 vs 8 rows
 and token budgets of 64 and 256 vs one micro-batch.
 """
 import functools
@@ -87,6 +87,10 @@ def test_two_ranks_equal_one_process(case, setup, two_ranks, initial):
     if case == "gspo_kl_in_reward":  # step 2's reward carries a non-zero KL to the starting model (the logged
         # value is a mean of per-rank token means, so it is close to the one process's, not equal)
         assert steps[-1]["kl"] > 0.1 and steps[-1]["kl"] == pytest.approx(metrics[-1]["kl"], rel=0.05)
+    if case == "distill":  # the teacher is the start: no signal before the first update, some after it
+        assert [s["distill_reverse_kl"] for s in (metrics[0], steps[0])] == [0.0, 0.0]
+        # (scripted completions are not the student's samples, so the estimate's sign is not fixed)
+        assert min(abs(metrics[1]["distill_reverse_kl"]), abs(steps[1]["distill_reverse_kl"])) > 1e-3
 
 
 def test_micro_batches_and_token_budgets_do_not_change_the_step(setup, initial):

@@ -31,7 +31,7 @@ def _batch(seed: int, prompts: int = 4, group_size: int = 4, tokens: int = 6, dt
 
 
 def test_registry_names_and_kinds():
-    assert tuple(ESTIMATORS) == ("grpo", "dr_grpo", "batch_std", "rloo", "reinforce_pp")
+    assert tuple(ESTIMATORS) == ("grpo", "dr_grpo", "batch_std", "rloo", "reinforce_pp", "none")
     assert [name for name in tuple(ESTIMATORS) if ESTIMATORS[name].token_returns] == ["grpo", "dr_grpo", "batch_std"]
     with pytest.raises(ValueError, match="'grpo' is already registered"):
         register_estimator("grpo", token_returns=True)(lambda *args, **kwargs: None)

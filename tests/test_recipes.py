@@ -1,6 +1,6 @@
 """Every recipe under launch/configs runs one step on CPU with a tiny random model and the transformers
 engine: its algorithm settings (KL, dual clip, dynamic sampling, overlong shaping, TIS, sentence rewards,
-gradient checkpointing) all execute. Model, data paths, lengths and batch sizes are overridden to fit."""
+gradient checkpointing, a distillation teacher) all execute. Model, data paths, lengths and batch sizes are overridden to fit."""
 import json
 from pathlib import Path
 
@@ -53,6 +53,8 @@ def test_recipe_runs_one_step(recipe, recipe_data, tiny_model_dir, tmp_path):
                  "model.param_dtype=float32", "trainer.sft_max_len=2048", "data.max_prompt_tokens=2048"]
     if base.reward.corpus_index is not None:
         overrides.append(f"reward.corpus_index={index}")
+    if base.algorithm.teacher is not None:  # the tiny model teaches itself: the teacher pass runs, its signal is 0
+        overrides.append(f"algorithm.teacher={tiny_model_dir}")
     if base.stage == "rl":
         overrides += ["trainer.prompts_per_step=1", f"trainer.micro_batch_size={base.rollout.n}"]
         if base.algorithm.overlong_cache_len:
