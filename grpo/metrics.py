@@ -81,18 +81,21 @@ def reduce_metrics(metrics: dict, dist) -> dict:
 
 
 class NoSignalWatch:
-    """Warns when every group of a step is flat (and no KL term could still move the policy), and when truncation
-    or flat groups stay above trainer.warn_truncation / warn_flat_groups for trainer.warn_after_steps steps."""
+    """Warns when every group of a step is flat (and no KL term or distillation teacher could still move the policy),
+    and when truncation or flat groups (without a teacher, whose signal needs no reward spread) stay above
+    trainer.warn_truncation / warn_flat_groups for trainer.warn_after_steps steps."""
 
     def __init__(self, cfg):
-        trainer = cfg.trainer
-        self.thresholds = {"truncation_rate": trainer.warn_truncation, "flat_group_frac": trainer.warn_flat_groups}
+        trainer, self.teacher = cfg.trainer, cfg.algorithm.teacher is not None
+        self.thresholds = {"truncation_rate": trainer.warn_truncation}
+        if not self.teacher:
+            self.thresholds["flat_group_frac"] = trainer.warn_flat_groups
         self.after_steps, self.kl_coef = trainer.warn_after_steps, cfg.algorithm.kl_coef
         self.streaks = dict.fromkeys(self.thresholds, 0)
 
     def update(self, metrics: dict, step: int) -> list[str]:
         warnings = []
-        if metrics["flat_group_frac"] == 1.0 and self.kl_coef == 0:
+        if metrics["flat_group_frac"] == 1.0 and self.kl_coef == 0 and not self.teacher:
             warnings.append(f"step {step}: zero learning signal -- every group's rewards are identical")
         for key, threshold in self.thresholds.items():
             self.streaks[key] = self.streaks[key] + 1 if metrics[key] > threshold else 0

@@ -69,6 +69,17 @@ def test_teacher_equal_to_student_gives_zero_advantage_and_gradient(setup):
     assert max(float((weights[name] - initial[name]).abs().max()) for name in initial) > 1e-3
 
 
+def test_flat_groups_are_no_warning_with_a_teacher():
+    from grpo.metrics import NoSignalWatch
+
+    flat = {"flat_group_frac": 1.0, "truncation_rate": 0.6}  # every group flat, truncation above its threshold
+    common = ["trainer.warn_truncation=0.5", "trainer.warn_after_steps=1", "algorithm.teacher=any",
+              "algorithm.adv_estimator=none", "reward.sentence_coef=0"]
+    assert [w.split(" = ")[0] for w in NoSignalWatch(load_config(None, common)).update(flat, 1)] == ["truncation_rate"]
+    without = NoSignalWatch(load_config(None, common + ["algorithm.teacher=null", "algorithm.adv_estimator=grpo"]))
+    assert len(without.update(flat, 1)) == 3  # zero signal, truncation, flat groups
+
+
 def test_refusals(setup, tmp_path, monkeypatch):
     from models import load_tokenizer
     from tiny import tiny_model
