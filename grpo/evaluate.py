@@ -24,9 +24,11 @@ def greedy_completions(engine, prompt_ids: Sequence[list[int]], *, max_new_token
     return completions
 
 
-def score_record(scorer: Scorer, row: dict, text: str, position: int = 0) -> dict[str, float]:
-    """One completion's held-out values: reward, acc (0/1), and every numeric component of the reward."""
-    result = scorer.result(row, text, position)
+def score_record(scorer: Scorer, row: dict, text: str, position: int = 0, result: dict | None = None
+                 ) -> dict[str, float]:
+    """One completion's held-out values: reward, acc (0/1), and every numeric component of the reward (result:
+    the reward's result when scored already)."""
+    result = scorer.result(row, text, position) if result is None else result
     values = {"reward": result["score"], "acc": correctness(result, result["score"], scorer.correct_threshold)}
     return values | numeric_components(result)
 
@@ -41,9 +43,12 @@ def evaluate(engine, scorer: Scorer, rows: Sequence[dict], prompt_ids: Sequence[
     mine = list(range(dist.dp_rank, len(rows), dist.dp_size))
     completions = greedy_completions(engine, [prompt_ids[i] for i in mine], max_new_tokens=max_new_tokens,
                                      batch_size=batch_size)
+    # A judge (reward.model) judges them all in one call; a row's reward is called row by row.
+    judged = (scorer.results([c.text for c in completions], [rows[i] for i in mine]) if scorer.judge
+              else [None] * len(mine))
     records = []
-    for i, completion in zip(mine, completions):
-        values = score_record(scorer, rows[i], completion.text, i)
+    for i, completion, result in zip(mine, completions, judged):
+        values = score_record(scorer, rows[i], completion.text, i, result)
         records.append({"index": rows[i].get("extra_info", {}).get("index", i), "completion": completion.text,
                         "finish_reason": completion.finish_reason, **values})
     # The columns: reward, acc, then the numeric components of each data source's reward, found by scoring an empty

@@ -30,6 +30,7 @@ MAKERS = (("runs/demo/", "make demo"),
           ("data_out/verifier/", "python -m data.verifier --input judgments.jsonl --out {path}"),
           ("data_out/factqa/", "python -m data.factqa convert --input QA_FILE --out {path}"),
           ("runs/verifier_sft/", "python -m launch.train --config launch/configs/verifier_sft.yaml"),
+          ("runs/verifier_dapo", "python -m launch.train --config launch/configs/verifier_dapo.yaml"),
           ("runs/veriseek_sft/", "python -m launch.train --config launch/configs/veriseek_sft.yaml"))
 
 
@@ -65,7 +66,7 @@ def check_versions(cfg: Config, torch_version: str | None = None, vllm_version: 
 
 
 def _check_environment(cfg: Config) -> None:
-    """What the settings name outside the recipe: the reward paths, the corpus index, wandb, init_from."""
+    """What the settings name outside the recipe: the reward paths, the corpus index, wandb, init_from, the judge."""
     for data_source, dotted in cfg.reward.functions.items():
         try:
             rewards.get_reward(dotted)
@@ -85,6 +86,13 @@ def _check_environment(cfg: Config) -> None:
                           f"wandb (or set trainer.wandb_project=null)")
     if cfg.init_from is not None and not Path(cfg.init_from).is_dir():
         raise _not_found("init_from", "checkpoint directory", cfg.init_from)
+    judge = cfg.reward.model
+    if judge is not None and (cfg.rollout.engine == "vllm" or cfg.reward.num_workers):
+        raise ConfigError(f"reward.model={judge} judges on the transformers engine in the training process: it needs "
+                          f"rollout.engine=hf (not {cfg.rollout.engine}: a vLLM judge beside the rollout's engine is "
+                          f"not built) and reward.num_workers=0 (not {cfg.reward.num_workers})")
+    if judge is not None and any(prefix in judge for prefix, _ in MAKERS) and not Path(judge).exists():
+        raise _not_found("reward.model", "verifier checkpoint", judge)
 
 
 def _rows(files: list[str], given: list[dict] | None, key: str, name: str) -> list[tuple[str, dict]]:
