@@ -153,8 +153,7 @@ class RewardConfig(Section):
     timeout_s: float | None = bounded(None, 0, low_open=True)
     """Seconds a reward call may take in a worker before the run ends naming the row; null waits forever."""
     model: str | None = None
-    """A judge replacing the rows' rewards (grpo/judge.py): a verifier checkpoint or any chat model (a directory, a
-    run directory: its latest checkpoint, "default": the embedded model, org/name), transformers engine; null: off."""
+    """Judge replacing the rows' rewards (grpo/judge.py): a model or run directory, "default", org/name; null: off."""
     model_max_new_tokens: int = bounded(256, 1)
     """Greedy tokens the judge may write per judgment; one cut off before its verdict is unparsed (reward 0)."""
     model_timeout_s: float | None = bounded(None, 0, low_open=True)
