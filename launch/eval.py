@@ -100,8 +100,7 @@ def evaluate_records(engine, tokenizer, records: list[dict], *, max_new_tokens: 
     predictions = []
     for record, ids, completion, result in zip(records, prompt_ids, completions, judged):
         scored = record["data_source"] in with_reward  # a record holds what the scorer reads of a row
-        if result is None and scored:
-            result = scorer.result(record, completion.text, record["row"])
+        result = result or (scorer.result(record, completion.text, record["row"]) if scored else None)
         prediction = {key: record[key] for key in ("file", "row", "index", "data_source")}
         prediction.update(prompt=record["messages"][-1]["content"], prompt_tokens=len(ids), completion=completion.text,
                           completion_tokens=len(completion.completion_ids), finish_reason=completion.finish_reason,
