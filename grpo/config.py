@@ -152,12 +152,6 @@ class RewardConfig(Section):
     """Reward worker processes scoring a step's completions concurrently (0: in the training process)."""
     timeout_s: float | None = bounded(None, 0, low_open=True)
     """Seconds a reward call may take in a worker before the run ends naming the row; null waits forever."""
-    model: str | None = None
-    """Judge replacing the rows' rewards (grpo/judge.py): a model or run directory, "default", org/name; null: off."""
-    model_max_new_tokens: int = bounded(256, 1)
-    """Greedy tokens the judge may write per judgment; one cut off before its verdict is unparsed (reward 0)."""
-    model_timeout_s: float | None = bounded(None, 0, low_open=True)
-    """Seconds the judge's one generate call per scoring may take; judgments unfinished then score 0; null: no limit."""
 
 
 @dataclass(frozen=True)

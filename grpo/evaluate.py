@@ -24,8 +24,9 @@ def greedy_completions(engine, prompt_ids: Sequence[list[int]], *, max_new_token
     return completions
 
 
-def score_record(scorer: Scorer, result: dict) -> dict[str, float]:
-    """One completion's held-out values from its reward's result: reward, acc (0/1), and every numeric component."""
+def score_record(scorer: Scorer, row: dict, text: str, position: int = 0) -> dict[str, float]:
+    """One completion's held-out values: reward, acc (0/1), and every numeric component of the reward."""
+    result = scorer.result(row, text, position)
     values = {"reward": result["score"], "acc": correctness(result, result["score"], scorer.correct_threshold)}
     return values | numeric_components(result)
 
@@ -40,12 +41,9 @@ def evaluate(engine, scorer: Scorer, rows: Sequence[dict], prompt_ids: Sequence[
     mine = list(range(dist.dp_rank, len(rows), dist.dp_size))
     completions = greedy_completions(engine, [prompt_ids[i] for i in mine], max_new_tokens=max_new_tokens,
                                      batch_size=batch_size)
-    # A judge (reward.model) judges them all in one call; a row's reward is called row by row.
-    results = (scorer.results([c.text for c in completions], [rows[i] for i in mine]) if scorer.judge
-               else [scorer.result(rows[i], c.text, i) for i, c in zip(mine, completions)])
     records = []
-    for i, completion, result in zip(mine, completions, results):
-        values = score_record(scorer, result)
+    for i, completion in zip(mine, completions):
+        values = score_record(scorer, rows[i], completion.text, i)
         records.append({"index": rows[i].get("extra_info", {}).get("index", i), "completion": completion.text,
                         "finish_reason": completion.finish_reason, **values})
     # The columns: reward, acc, then the numeric components of each data source's reward, found by scoring an empty
@@ -53,7 +51,7 @@ def evaluate(engine, scorer: Scorer, rows: Sequence[dict], prompt_ids: Sequence[
     names = ["reward", "acc"]
     first_rows = {row["data_source"]: row for row in reversed(rows)}
     for source in sorted(first_rows):
-        names += [name for name in score_record(scorer, scorer.result(first_rows[source], "")) if name not in names]
+        names += [name for name in score_record(scorer, first_rows[source], "") if name not in names]
     table = torch.zeros(len(rows), len(names), dtype=torch.float64, device=dist.device)
     for i, record in zip(mine, records if dist.tp_rank == 0 else []):
         table[i] = torch.tensor([record.get(name, math.nan) for name in names], dtype=torch.float64)

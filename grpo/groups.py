@@ -51,7 +51,6 @@ class Group:
     correct: Tensor  # [G]
     token_shaping: Tensor  # [G, T_g] sentence shaping (zeros without sentence rewards)
     components: dict[str, list[float]]  # each G values
-    texts: dict[str, list[str]]  # each G: the reward's text components (grpo.scoring.Scores.texts)
 
 
 @dataclass
@@ -66,7 +65,6 @@ class Batch:
     mask: Tensor  # [B, T] completion tokens times loss_weight: what the loss trains on
     token_shaping: Tensor  # [B, T] sentence shaping
     components: dict[str, list[float]]
-    texts: dict[str, list[str]]  # each B: the reward's text components (the judge's judgment, for samples.jsonl)
     rounds: int
     generated_groups: int
     policy_version: int = 0  # optimizer steps of the weights that generated it (staleness: the step minus this)
@@ -80,15 +78,13 @@ class Batch:
         token_shaping = torch.cat([torch.nn.functional.pad(g.token_shaping, (0, width - g.token_shaping.shape[1]))
                                    for g in groups])
         components: dict[str, list[float]] = {}
-        texts: dict[str, list[str]] = {}
         for group in groups:
-            for merged, parts in ((components, group.components), (texts, group.texts)):
-                for key, values in parts.items():
-                    merged.setdefault(key, []).extend(values)
+            for key, values in group.components.items():
+                components.setdefault(key, []).extend(values)
         return cls(completions=[c for g in groups for c in g.completions], rows=[r for g in groups for r in g.rows],
                    rewards=torch.cat([g.rewards for g in groups]), correct=torch.cat([g.correct for g in groups]),
                    lengths=lengths, loss_weight=loss_weight, mask=mask, token_shaping=token_shaping,
-                   components=components, texts=texts, rounds=rounds, generated_groups=generated)
+                   components=components, rounds=rounds, generated_groups=generated)
 
 
 class Rollout(Protocol):
@@ -135,8 +131,7 @@ class LocalRollout:
             span = slice(p * group_size, (p + 1) * group_size)
             width = max(len(c.completion_ids) for c in completions[span])
             groups.append(Group(completions[span], batch_rows[span], scores.rewards[span], scores.correct[span],
-                                scores.token_shaping[span, :width], {k: v[span] for k, v in scores.components.items()},
-                                {k: v[span] for k, v in scores.texts.items()}))
+                                scores.token_shaping[span, :width], {k: v[span] for k, v in scores.components.items()}))
         return groups
 
     def collect_shares(self, seed: int, shares: int) -> list[Batch]:

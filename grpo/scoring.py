@@ -43,20 +43,17 @@ class Scores:
     correct: Tensor  # [B] float32 0/1
     token_shaping: Tensor  # [B, T] float32 sentence shaping (zeros without sentence rewards), T = longest completion
     components: dict[str, list[float]] = field(default_factory=dict)  # each B floats, NaN where a reward lacks it
-    texts: dict[str, list[str]] = field(default_factory=dict)  # each B: the reward's text components (the judgment)
 
 
 @dataclass(frozen=True)
 class Scorer:
     """Everything scoring needs besides the completions. compute_scores (launch/reward_pool.py), when given, scores
-    many calls at once: one outcome per call, its result, its exception, or None for a call not made after a failure.
-    judge (grpo/judge.py, reward.model), when given, scores (texts, rows) at once instead of the rows' rewards."""
+    many calls at once: one outcome per call, its result, its exception, or None for a call not made after a failure."""
     compute_score: Callable
     decode_prefixes: Callable[[Sequence[int]], list[str]]  # ids -> [decode(ids[:k]) for k in 0..len(ids)]
     sentence_coef: float = 1.0
     correct_threshold: float = 0.5
     compute_scores: Callable[[list[tuple]], list] | None = None
-    judge: Callable[[Sequence[str], Sequence[dict]], list[dict]] | None = None
 
     @staticmethod
     def _call(row: dict, text: str) -> tuple:
@@ -76,8 +73,6 @@ class Scorer:
 
     def result(self, row: dict, text: str, position: int = 0) -> dict:
         """The reward function's result for one completion of `row`, always a dict with a float "score"."""
-        if self.judge is not None:
-            return self.judge([text], [row])[0]
         try:
             outcome = self.compute_score(*self._call(row, text))
         except Exception as error:
@@ -85,10 +80,7 @@ class Scorer:
         return self._checked(outcome, row, position)
 
     def results(self, texts: Sequence[str], rows: Sequence[dict]) -> list[dict]:
-        """result() for each completion, all at once through the judge or compute_scores when given; the first
-        failure raises."""
-        if self.judge is not None:
-            return self.judge(texts, rows)
+        """result() for each completion, all at once through compute_scores when given; the first failure raises."""
         if self.compute_scores is None:
             return [self.result(row, text, b) for b, (text, row) in enumerate(zip(texts, rows))]
         outcomes = self.compute_scores([self._call(row, text) for text, row in zip(texts, rows)])
@@ -108,9 +100,7 @@ class Scorer:
                 token_shaping[b, : len(ids)] = sentence_shaping(index, [r for _, _, r in sentences], self.sentence_coef)
         numeric = [numeric_components(result) for result in results]
         keys = dict.fromkeys(key for values in numeric for key in values)  # in order of first appearance
-        text_keys = dict.fromkeys(key for result in results for key, value in result.items() if isinstance(value, str))
         correct = [correctness(result, result["score"], self.correct_threshold) for result in results]
         return Scores(torch.tensor([result["score"] for result in results], dtype=torch.float32),
                       torch.tensor(correct, dtype=torch.float32), token_shaping,
-                      {key: [values.get(key, math.nan) for values in numeric] for key in keys},
-                      {key: [result.get(key, "") for result in results] for key in text_keys})
+                      {key: [values.get(key, math.nan) for values in numeric] for key in keys})

@@ -172,9 +172,8 @@ def train_rl(parts: Parts, dist) -> dict:
         log.metrics(step + 1, metrics, postfix_keys=("reward_mean", "acc", "format_rate"))
         log.samples(step + 1, [  # the step's first group, for samples.jsonl
             {"prompt": row["prompt"][-1]["content"], "completion": c.text, "reward": float(r), "correct": float(ok),
-             "finish_reason": c.finish_reason, **{key: texts[b] for key, texts in batch.texts.items()}}
-            for b, (c, r, ok, row) in enumerate(zip(batch.completions[:cfg.rollout.n], prepared.rewards, batch.correct,
-                                                    batch.rows))])
+             "finish_reason": c.finish_reason}
+            for c, r, ok, row in zip(batch.completions[:cfg.rollout.n], prepared.rewards, batch.correct, batch.rows)])
         if parts.checkpoints.end_step(step + 1):  # a stop request: stop at a step boundary (consistent state)
             break
     parts.checkpoints.finish()

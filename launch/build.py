@@ -12,7 +12,6 @@ import torch
 
 from grpo.config import Config, ConfigError
 from grpo.groups import LocalRollout, PromptSampler
-from grpo.judge import Judge
 from grpo.scoring import Scorer
 from grpo.trainer import Parts, Policy, deadline, train_rl, train_sft
 from grpo.update import lr_factor
@@ -23,7 +22,7 @@ from launch.preflight import Prepared, prepare
 from launch.reward_pool import reward_functions
 from launch.runlog import RunLog, jsonable
 from launch.separate import RemoteRollout, serve
-from models import load_model, load_tokenizer, resolve_model_dir
+from models import load_model, resolve_model_dir
 from models.chat import prefix_decoder
 from models.fsdp import load_sharded_model
 from models.logprobs import sampleable_vocab_size
@@ -69,13 +68,11 @@ def build_engine(cfg: Config, target: Target, model_dir: Path, tokenizer, *, dev
 
 def build_scorer(cfg: Config, dist: DistInfo, prepared: Prepared) -> tuple[Scorer, object | None]:
     """The run's one Scorer (training and held-out) and its reward worker pool, if any. Each data source's reward
-    is first called on its first row with an empty completion: a broken reward ends the start-up in one line.
-    With reward.model, its judge (own model copy, transformers engine) scores every row instead."""
+    is first called on its first row with an empty completion: a broken reward ends the start-up in one line."""
     rows = prepared.rows + prepared.eval_rows
     compute_score, compute_scores, pool = reward_functions(cfg.reward, rows, device=str(dist.device))
-    judge = build_judge(cfg, dist) if cfg.reward.model is not None else None
     first = {}
-    for where, row in zip(prepared.places, rows if judge is None else ()):
+    for where, row in zip(prepared.places, rows):
         first.setdefault(row["data_source"], (where, row))
     for source, (where, row) in first.items():
         try:
@@ -86,21 +83,7 @@ def build_scorer(cfg: Config, dist: DistInfo, prepared: Prepared) -> tuple[Score
             raise ConfigError(f"reward {source!r} on {where} with an empty completion: {type(error).__name__}: "
                               f"{error}") from None
     return Scorer(compute_score, prefix_decoder(prepared.tokenizer), sentence_coef=cfg.reward.sentence_coef,
-                  correct_threshold=cfg.reward.correct_threshold, compute_scores=compute_scores, judge=judge), pool
-
-
-def build_judge(cfg: Config, dist: DistInfo) -> Judge:
-    """reward.model's judge on its own copy of the model, loaded by the engine factory as the rollout's."""
-    from launch.eval import resolve_model  # launch.eval imports this module
-    try:
-        model_dir = resolve_model_dir(resolve_model(cfg.reward.model))
-        tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"reward.model: {error}") from None
-    engine = build_engine(cfg, Target.here(dist.world_size, torchrun=dist.sharded), model_dir, tokenizer,
-                          device=dist.device)
-    reward = cfg.reward
-    return Judge(engine, tokenizer, max_new_tokens=reward.model_max_new_tokens, timeout_s=reward.model_timeout_s)
+                  correct_threshold=cfg.reward.correct_threshold, compute_scores=compute_scores), pool
 
 
 def _load(cfg: Config, dist: DistInfo, source: str | None, key: str, target: Target, *,

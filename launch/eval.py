@@ -23,7 +23,6 @@ from data.eval_metrics import FACTQA, score_example, summarize
 from data.jsonio import atomic_write_text, exit_on_bad_input
 from data.rows import read_rows
 from grpo.evaluate import greedy_completions
-from grpo.judge import Judge
 from grpo.scoring import Scorer
 from launch.build import build_engine
 from launch.plan import Target
@@ -84,9 +83,8 @@ def reward_sources(records: list[dict]) -> set[str]:
 
 
 def evaluate_records(engine, tokenizer, records: list[dict], *, max_new_tokens: int, batch_size: int,
-                     relaxed: bool = False, judge: Judge | None = None) -> tuple[list[dict], dict]:
-    """(predictions, {data_source: metrics}): each record completed greedily, rewarded (by `judge` when given,
-    as reward.model rewards training, its judgment kept), and scored."""
+                     relaxed: bool = False) -> tuple[list[dict], dict]:
+    """(predictions, {data_source: metrics}): each record completed greedily, rewarded, and scored."""
     prompt_ids = [render_prompt(tokenizer, record["messages"]) for record in records]
     for record, ids in zip(records, prompt_ids):  # named by file and row before any generation
         if len(ids) >= engine.max_context:
@@ -94,18 +92,15 @@ def evaluate_records(engine, tokenizer, records: list[dict], *, max_new_tokens: 
                              f"context holds {engine.max_context}")
     with_reward = reward_sources(records)
     completions = greedy_completions(engine, prompt_ids, max_new_tokens=max_new_tokens, batch_size=batch_size)
-    scorer = Scorer(rewards.compute_score, decode_prefixes=prefix_decoder(tokenizer), judge=judge)
-    judged = (scorer.results([c.text for c in completions], [{"prompt": r["messages"], **r} for r in records])
-              if judge else [None] * len(records))
+    scorer = Scorer(rewards.compute_score, decode_prefixes=prefix_decoder(tokenizer))
     predictions = []
-    for record, ids, completion, result in zip(records, prompt_ids, completions, judged):
+    for record, ids, completion in zip(records, prompt_ids, completions):
         scored = record["data_source"] in with_reward  # a record holds what the scorer reads of a row
-        result = result or (scorer.result(record, completion.text, record["row"]) if scored else None)
+        reward = scorer.result(record, completion.text, record["row"])["score"] if scored else None
         prediction = {key: record[key] for key in ("file", "row", "index", "data_source")}
         prediction.update(prompt=record["messages"][-1]["content"], prompt_tokens=len(ids), completion=completion.text,
                           completion_tokens=len(completion.completion_ids), finish_reason=completion.finish_reason,
-                          ground_truth=record["ground_truth"], reward=None if result is None else result["score"],
-                          **({"judgment": result["judgment"]} if judge else {}))
+                          ground_truth=record["ground_truth"], reward=reward)
         prediction.update(score_example({**prediction, "extra_info": record["extra_info"]}, relaxed=relaxed))
         predictions.append(prediction)
     return predictions, summarize(predictions)
@@ -204,14 +199,9 @@ def evaluate_command(argv: list[str]) -> None:
                         help=f"prompts per generate call (default {DEFAULT_BATCH_SIZE}; vllm: all at once)")
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N rows of each file")
     parser.add_argument("--relaxed", action="store_true", help="lenient labels: the one a reply starts with (SciFact)")
-    parser.add_argument("--judge", default=None, help="reward every row with this judge model as reward.model does "
-                        "(a model spec as --model; transformers engine)")
-    parser.add_argument("--judge-max-new-tokens", type=int, default=256)
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
-    check_positive(args, "limit", "max_new_tokens", "batch_size", "judge_max_new_tokens")
-    if args.judge and args.engine != "hf":
-        raise ValueError("--judge runs on the transformers engine: use --engine hf")
+    check_positive(args, "limit", "max_new_tokens", "batch_size")
     model_dir = resolve_model(args.model)
     records = read_data(args.data, args.limit)
     out = Path(args.out)
@@ -219,10 +209,8 @@ def evaluate_command(argv: list[str]) -> None:
         raise ValueError(f"--out {out} is a file; give a directory")
     batch_size = args.batch_size or (len(records) if args.engine == "vllm" else DEFAULT_BATCH_SIZE)
     engine, tokenizer, dtype = engine_from_args(args, model_dir)
-    judge = Judge(*engine_from_args(args, resolve_model(args.judge))[:2],
-                  max_new_tokens=args.judge_max_new_tokens) if args.judge else None
     predictions, metrics = evaluate_records(engine, tokenizer, records, max_new_tokens=args.max_new_tokens,
-                                            batch_size=batch_size, relaxed=args.relaxed, judge=judge)
+                                            batch_size=batch_size, relaxed=args.relaxed)
     name = "default" if model_dir is None else Path(args.model).name
     summary = {"model": args.model, "model_dir": None if model_dir is None else str(model_dir), "engine": args.engine,
                "data": [str(path) for path in args.data], "limit": args.limit, "relaxed": args.relaxed,

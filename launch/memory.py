@@ -16,15 +16,13 @@ BYTES = {"float32": 4, "bfloat16": 2}
 # ranks); the caching allocator's fragmentation is not counted. Zero on CPU.
 CUDA_CONTEXT_GIB = 1.0
 ORDER = ("weights", "gradients", "optimizer", "reference", "teacher", "gathered", "activations", "logits", "vllm",
-         "engine_copy", "kv_cache", "judge", "judge_kv_cache", "sync_bucket", "cuda_context", "total")
+         "engine_copy", "kv_cache", "sync_bucket", "cuda_context", "total")
 LOGITS_FACTOR = 3  # one fp32 [C, V] block: the logits, log_softmax's output and, in backward, its gradient
 ADVICE = {"activations": "lower trainer.micro_batch_size (or set trainer.max_tokens_per_micro_batch)",
           "vllm": "lower rollout.vllm_gpu_memory_utilization", "kv_cache": "lower trainer.prompts_per_step",
           "logits": "lower model.logprob_chunk_size", "sync_bucket": "lower rollout.sync_bucket_mb",
           "reference": "enable model.lora (the reference is then the policy) or set algorithm.kl_coef=0",
-          "teacher": "train on more ranks (FSDP2 shards the teacher too) or use a smaller algorithm.teacher",
-          "judge": "use a smaller reward.model",
-          "judge_kv_cache": "lower trainer.prompts_per_step or reward.model_max_new_tokens"}
+          "teacher": "train on more ranks (FSDP2 shards the teacher too) or use a smaller algorithm.teacher"}
 SHARDED_ADVICE = "train on more ranks (FSDP2 shards weights, gradients and optimizer state) or enable model.lora"
 
 
@@ -39,11 +37,10 @@ def read_model_config(path: str | Path) -> dict:
     return json.loads((path / "config.json" if path.is_dir() else path).read_text())
 
 
-def config_here(model: str | None) -> dict | None:
-    """The config.json of a model a setting names (algorithm.teacher, reward.model) where its directory is here
-    (None: sized as the policy)."""
-    path = Path(model or "") / "config.json"
-    return read_model_config(path) if model and path.is_file() else None
+def teacher_config(cfg: Config) -> dict | None:
+    """The distillation teacher's config.json where its directory is here (None: sized as the student)."""
+    path = Path(cfg.algorithm.teacher or "") / "config.json"
+    return read_model_config(path) if cfg.algorithm.teacher and path.is_file() else None
 
 
 def shapes(model: dict) -> dict:
@@ -105,12 +102,6 @@ def activations(model: dict, compute: int, tokens: int, checkpointing: bool) -> 
     return s["layers"] * compute * s["hidden"] * tokens + per_layer if checkpointing else s["layers"] * per_layer
 
 
-def kv_cache(model: dict, tokens: int, dtype: int) -> int:
-    """Bytes of a KV cache holding `tokens` positions: a key and a value per layer and key/value head."""
-    s = shapes(model)
-    return tokens * 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * dtype
-
-
 def engine_terms(cfg: Config, plan: dict, model: dict, gpu_gib: float | None, role: str, phase: str) -> dict:
     """The rollout engine's bytes on a rank of `role` in `phase`. vLLM on a GPU holds gpu_memory_utilization x the
     GPU (weights, KV cache, CUDA-graph pool) while awake; colocated, it sleeps at level 2 through training (nothing
@@ -119,7 +110,7 @@ def engine_terms(cfg: Config, plan: dict, model: dict, gpu_gib: float | None, ro
     separate = cfg.rollout.placement == "separate"
     if cfg.stage != "rl" or (role == "trainer") == separate:
         return {}
-    engine = BYTES[plan["precision"]["engine"]]
+    s, engine = shapes(model), BYTES[plan["precision"]["engine"]]
     weights = param_counts(model)["total"] * engine / cfg.rollout.tp_size
     if cfg.rollout.engine == "vllm" and plan["target"]["device"] != "cuda":
         return {"vllm": weights + (cfg.rollout.vllm_kv_cache_mb << 20)}  # no sleep mode off CUDA
@@ -128,30 +119,16 @@ def engine_terms(cfg: Config, plan: dict, model: dict, gpu_gib: float | None, ro
         return {"vllm": share} if separate or phase == "generating" else {"vllm": weights} if phase == "syncing" else {}
     terms = {"engine_copy": weights} if "update_weights" in plan["engine_cycle"] else {}
     if phase == "generating":
+        sequences = cfg.trainer.prompts_per_step * cfg.rollout.n
         length = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-        terms["kv_cache"] = kv_cache(model, cfg.trainer.prompts_per_step * cfg.rollout.n * length, engine)
+        terms["kv_cache"] = sequences * length * 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * engine
     return terms
 
 
-def judge_terms(cfg: Config, plan: dict, judge: dict, role: str, phase: str) -> dict:
-    """reward.model's judge on a rank of `role` that scores (the rollout engine's): its weights in the compute dtype
-    in every phase and, while generating, the KV cache of one judging call over the rank's completions, each at most
-    its question's and its completion's budgets plus the judgment's (the verifier template is not counted)."""
-    if plan["judge"] is None or (role == "trainer") == (cfg.rollout.placement == "separate"):
-        return {}
-    dtype = BYTES[plan["precision"]["judge"]]
-    terms = {"judge": param_counts(judge)["total"] * dtype}
-    if phase == "generating":
-        length = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens + cfg.reward.model_max_new_tokens
-        terms["judge_kv_cache"] = kv_cache(judge, cfg.trainer.prompts_per_step * cfg.rollout.n * length, dtype)
-    return terms
-
-
-def estimate(cfg: Config, plan: dict, model: dict, gpu_gib: float | None = None, teacher: dict | None = None,
-             judge: dict | None = None) -> dict:
+def estimate(cfg: Config, plan: dict, model: dict, gpu_gib: float | None = None, teacher: dict | None = None) -> dict:
     """Every term in GiB per role and phase, from the plan's own decisions (precision, placement, engine cycle, vLLM's
-    arguments) and the model's config.json (and the distillation teacher's and the judge's, default the model's);
-    with gpu_gib, whether each fits and, where one does not, why."""
+    arguments) and the model's config.json (and the distillation teacher's, default the model's); with gpu_gib,
+    whether each fits and, where one does not, why."""
     sharded, lora, counts, s = plan["target"]["torchrun"], cfg.model.lora, param_counts(model), shapes(model)
     master, compute = (BYTES[plan["precision"]["policy"][key]] for key in ("param", "compute"))
     shards = len(plan["placement"]["trainer_ranks"]) if sharded else 1
@@ -176,7 +153,6 @@ def estimate(cfg: Config, plan: dict, model: dict, gpu_gib: float | None = None,
             kept = tuple(state) if phase == "training" else ("weights", "optimizer", "reference", "teacher")
             terms = {name: state[name] for name in kept if role == "trainer" and name in state and state[name]}
             terms.update(engine_terms(cfg, plan, model, gpu_gib, role, phase))
-            terms.update(judge_terms(cfg, plan, judge or model, role, phase))
             terms["sync_bucket"] = (cfg.rollout.sync_bucket_mb << 20) * (phase == "syncing")  # in the engine dtype
             terms["cuda_context"] = CUDA_CONTEXT_GIB * GIB * (plan["target"]["device"] == "cuda")
             roles[role][phase] = {name: round(value / GIB, 3) for name, value in terms.items() if value}

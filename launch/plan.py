@@ -60,7 +60,7 @@ def model_len(cfg: Config) -> int:
 def precision(cfg: Config, target: Target) -> dict:
     """The dtypes of every path: the policy's master weights (model.dtype), compute (model.param_dtype) and float32
     gradients; a frozen reference or distillation teacher needs no master copy (stored in the compute dtype);
-    logits are float32; reward.model's judge is loaded as the transformers engine's copy (the compute dtype)."""
+    logits are float32."""
     compute, mechanism = cfg.model.param_dtype, "none"
     if target.sharded:
         mechanism = "FSDP2 MixedPrecisionPolicy"
@@ -72,8 +72,7 @@ def precision(cfg: Config, target: Target) -> dict:
         reference = (dict(policy, shares="the policy with its LoRA adapters disabled") if cfg.model.lora.enabled
                      else frozen)
     teacher = frozen if cfg.stage == "rl" and cfg.algorithm.teacher is not None else None
-    return {"policy": policy, "reference": reference, "teacher": teacher, "logits": "float32", "engine": compute,
-            "judge": compute if cfg.reward.model is not None else None}
+    return {"policy": policy, "reference": reference, "teacher": teacher, "logits": "float32", "engine": compute}
 
 
 def attention(cfg: Config, target: Target) -> str:
@@ -190,11 +189,10 @@ def process_groups(cfg: Config, target: Target) -> dict[str, dict]:
 
 
 def run_plan(cfg: Config, target: Target, model_path: str = "<model directory>", model_config: dict | None = None,
-             gpu_gib: float | None = None, teacher_config: dict | None = None, judge_config: dict | None = None
-             ) -> dict:
+             gpu_gib: float | None = None, teacher_config: dict | None = None) -> dict:
     """The whole plan as one JSON-able object (what --dry-run prints); checked first (check_plan). With the model's
     config.json, the per-GPU memory estimate (launch.memory), checked against gpu_gib where given; the teacher's
-    and the judge's config.json size the distillation teacher and reward.model (default: the policy's)."""
+    config.json sizes the distillation teacher (default: the student's)."""
     check_plan(cfg, target)
     plan = {"target": {"device": target.device, "world_size": target.world_size, "flash_attn": target.flash_attn,
                        "torchrun": target.sharded},
@@ -202,7 +200,7 @@ def run_plan(cfg: Config, target: Target, model_path: str = "<model directory>",
             "logprob_pass": logprob_pass(cfg, target), "engine": cfg.rollout.engine,
             "engine_cycle": engine_cycle(cfg, target), "tp_groups": tp_groups(target.world_size, cfg.rollout.tp_size),
             "placement": placement(cfg, target), "batch": None, "collectives": None, "rollout_devices": None,
-            "vllm": None, "judge": None}
+            "vllm": None}
     if target.sharded:  # a torchrun world: what its collectives wait and how
         blocking = cfg.trainer.nccl_blocking_wait if target.device == "cuda" else None
         plan["collectives"] = {"timeout_s": cfg.trainer.collective_timeout_s, "groups": process_groups(cfg, target),
@@ -216,9 +214,5 @@ def run_plan(cfg: Config, target: Target, model_path: str = "<model directory>",
         plan["batch"] = step_batch(cfg, shares)
     if cfg.rollout.engine == "vllm":
         plan["vllm"] = vllm_arguments(cfg, target, model_path)
-    if cfg.reward.model is not None:  # launch.build.build_judge: on each rank that scores, on that rank's own device
-        plan["judge"] = {"model": cfg.reward.model, "engine": "hf", "device": target.device,
-                         "ranks": plan["placement"]["rollout_ranks"], "max_new_tokens": cfg.reward.model_max_new_tokens}
-    plan["memory"] = (estimate(cfg, plan, model_config, gpu_gib, teacher_config, judge_config)
-                      if model_config is not None else None)
+    plan["memory"] = estimate(cfg, plan, model_config, gpu_gib, teacher_config) if model_config is not None else None
     return plan

@@ -16,7 +16,7 @@ import yaml
 import rewards
 from data.rows import numbered_rows, validate_row
 from grpo.config import Config, ConfigError, resume_differences, startup_warnings
-from launch.memory import check_fit, config_here, read_model_config, this_gpu_gib
+from launch.memory import check_fit, read_model_config, teacher_config, this_gpu_gib
 from launch.plan import Target, check_plan, run_plan
 from models import load_tokenizer, render_prompt, resolve_model_dir
 from models.checkpoint import check_files, complete_checkpoints
@@ -30,7 +30,6 @@ MAKERS = (("runs/demo/", "make demo"),
           ("data_out/verifier/", "python -m data.verifier --input judgments.jsonl --out {path}"),
           ("data_out/factqa/", "python -m data.factqa convert --input QA_FILE --out {path}"),
           ("runs/verifier_sft/", "python -m launch.train --config launch/configs/verifier_sft.yaml"),
-          ("runs/verifier_dapo", "python -m launch.train --config launch/configs/verifier_dapo.yaml"),
           ("runs/veriseek_sft/", "python -m launch.train --config launch/configs/veriseek_sft.yaml"))
 
 
@@ -66,7 +65,7 @@ def check_versions(cfg: Config, torch_version: str | None = None, vllm_version: 
 
 
 def _check_environment(cfg: Config) -> None:
-    """What the settings name outside the recipe: the reward paths, the corpus index, wandb, init_from, the judge."""
+    """What the settings name outside the recipe: the reward paths, the corpus index, wandb, init_from."""
     for data_source, dotted in cfg.reward.functions.items():
         try:
             rewards.get_reward(dotted)
@@ -86,13 +85,6 @@ def _check_environment(cfg: Config) -> None:
                           f"wandb (or set trainer.wandb_project=null)")
     if cfg.init_from is not None and not Path(cfg.init_from).is_dir():
         raise _not_found("init_from", "checkpoint directory", cfg.init_from)
-    judge = cfg.reward.model
-    if judge is not None and (cfg.rollout.engine == "vllm" or cfg.reward.num_workers):
-        raise ConfigError(f"reward.model={judge} judges on the transformers engine in the training process: it needs "
-                          f"rollout.engine=hf (not {cfg.rollout.engine}: a vLLM judge beside the rollout's engine is "
-                          f"not built) and reward.num_workers=0 (not {cfg.reward.num_workers})")
-    if judge is not None and _made_by(judge) and not Path(judge).exists():
-        raise _not_found("reward.model", "verifier checkpoint", judge)
 
 
 def _rows(files: list[str], given: list[dict] | None, key: str, name: str) -> list[tuple[str, dict]]:
@@ -246,7 +238,7 @@ def prepare(cfg: Config, dist, *, rows: list[dict] | None = None, eval_rows: lis
         _check_teacher(cfg, tokenizer, f"{key}={source or 'the embedded model'}")
     if here.device == "cuda" and (model_dir / "config.json").is_file():  # memory from config.json, no weights
         check_fit(run_plan(cfg, here, str(model_dir), read_model_config(model_dir), this_gpu_gib(),
-                           config_here(cfg.algorithm.teacher), config_here(cfg.reward.model))["memory"])
+                           teacher_config(cfg))["memory"])
     train, prompt_ids = _tokenize_prompts(cfg, tokenizer, train, notes)
     if not train:
         raise ConfigError(f"data.filter_overlong_prompts: no training row has a prompt of at most "

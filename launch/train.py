@@ -30,7 +30,7 @@ from grpo.config import Config, ConfigError, startup_warnings
 from grpo.trainer import StepFailed
 from launch.build import build, build_scorer
 from launch.dist import CollectiveFailed, DistInfo, exit_rank, init_distributed, shutdown
-from launch.memory import check_fit, config_here, read_model_config, this_gpu_gib
+from launch.memory import check_fit, read_model_config, teacher_config, this_gpu_gib
 from launch.memory import describe as describe_memory
 from launch.plan import Target, check_plan, describe_batch, run_plan
 from launch.preflight import prepare
@@ -178,8 +178,7 @@ def _dry_run(cfg: Config, dist: DistInfo, args: argparse.Namespace) -> None:
     model_config = read_model_config(config_path) if config_path.is_file() else None
     here_gpu = target.device == "cuda" and torch.cuda.is_available()
     gpu_gib = args.gpu_memory_gib or (this_gpu_gib() if here_gpu else None)
-    plan = run_plan(cfg, target, model, model_config, gpu_gib, config_here(cfg.algorithm.teacher),
-                    config_here(cfg.reward.model))
+    plan = run_plan(cfg, target, model, model_config, gpu_gib, teacher_config(cfg))
     if dist.is_main:
         print(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
         for warning in warnings:

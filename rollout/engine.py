@@ -27,8 +27,7 @@ class Completion:
     # temperature), renormalised over the top-k/top-p set when those truncate (the trainer's temperature-only
     # recomputation then differs by the log of the kept mass); with temperature 0 (greedy), log_softmax(logits).
     logprobs: list[float]
-    finish_reason: str  # "stop" (end-of-sequence token or stop string), "length" (max_new_tokens or the context),
-    # or "timeout" (the transformers engine's time_limit_s ran out first)
+    finish_reason: str  # "stop" (end-of-sequence token or stop string) or "length" (max_new_tokens or the context)
 
 
 @runtime_checkable

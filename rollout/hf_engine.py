@@ -5,7 +5,6 @@ was drawn from, nothing read from the model's generation_config, and finished ro
 long-tail completions do not pay for short ones. The forward passes: `TransformersDecoding`, or rollout.cpu_decode."""
 from __future__ import annotations
 
-import time
 from typing import Iterable, Sequence
 
 import torch
@@ -49,21 +48,18 @@ class HFEngine(Engine):
 
     def generate(self, prompts: list[list[int]], *, n: int = 1, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, stop: Sequence[str] | None = None,
-                 seed: int | None = None, time_limit_s: float | None = None) -> list[Completion]:
+                 seed: int | None = None) -> list[Completion]:
         """Sample n completions per prompt (rollout.engine.Engine); the model's train/eval mode is restored after.
-        seed: the same seed, prompts and weights give the same completions; None draws one from torch's RNG.
-        time_limit_s: rows still generating after this many seconds end with finish_reason "timeout" (the judge's)."""
+        seed: the same seed, prompts and weights give the same completions; None draws one from torch's RNG."""
         stop_strings = validate_request(
             prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             stop=stop, seed=seed, max_context=self.max_context, vocab_size=self.vocab_size,
         )
         with (evaluating(self.model), torch.no_grad(), torch_threads(self.num_threads),
               oom_explained(len(prompts) * n, max_new_tokens)):
-            return self._sample(prompts, n, max_new_tokens, temperature, top_p, top_k, stop_strings, seed,
-                                time.monotonic() + (time_limit_s if time_limit_s is not None else float("inf")))
+            return self._sample(prompts, n, max_new_tokens, temperature, top_p, top_k, stop_strings, seed)
 
-    def _sample(self, prompts, n, max_new_tokens, temperature, top_p, top_k, stop_strings, seed,
-                deadline) -> list[Completion]:
+    def _sample(self, prompts, n, max_new_tokens, temperature, top_p, top_k, stop_strings, seed) -> list[Completion]:
         """The decoding loop over B = len(prompts) * n rows: each prompt prefilled once for its n rows, then one
         token per row and step; rows that finish leave the batch."""
         device = self.model.get_input_embeddings().weight.device
@@ -80,7 +76,6 @@ class HFEngine(Engine):
         completion = torch.zeros((batch_size, steps), dtype=torch.long, device=device)
         logprobs = torch.zeros((batch_size, steps), dtype=torch.float32, device=device)
         lengths, stopped = budget.clone(), torch.zeros(batch_size, dtype=torch.bool, device=device)
-        timed_out = torch.zeros_like(stopped)
         active = torch.arange(batch_size, device=device)  # batch row -> completion index
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)
         decoding = (CPUDecoding(self.model, len(prompts), n, steps) if supported(self.model)
@@ -98,9 +93,6 @@ class HFEngine(Engine):
                 texts = self.tokenizer.batch_decode(completion[active, : step + 1].tolist(), skip_special_tokens=True)
                 stop |= torch.tensor([any(s in text for s in stop_strings) for text in texts], device=device)
             finished = stop | (budget[active] <= step + 1)
-            if time.monotonic() > deadline:
-                timed_out[active[~finished]] = True
-                finished[:] = True
             stopped[active[stop]] = True
             lengths[active[finished]] = step + 1
             if bool(finished.all()):
@@ -111,11 +103,11 @@ class HFEngine(Engine):
                 active, tokens, positions = active[keep], tokens[keep], positions[keep]
             positions = positions + 1
             logits = decoding.step(tokens, positions)
-        rows = zip(completion.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist(), timed_out.tolist())
+        rows = zip(completion.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist())
         return [Completion(prompt_ids=list(prompts[index // n]), completion_ids=ids[:length],
                            text=completion_text(self.tokenizer, ids[:length]), logprobs=row_logprobs[:length],
-                           finish_reason="stop" if row_stopped else "timeout" if row_late else "length")
-                for index, (ids, row_logprobs, length, row_stopped, row_late) in enumerate(rows)]
+                           finish_reason="stop" if row_stopped else "length")
+                for index, (ids, row_logprobs, length, row_stopped) in enumerate(rows)]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Copy HF-named full tensors into the engine's own model (a no-op when it shares the policy)."""

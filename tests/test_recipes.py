@@ -38,7 +38,7 @@ def recipe_data(tmp_path_factory, shared_data):
 
 def _data_source(recipe: str) -> str:
     return {"verifier_dapo.yaml": "verifier", "verifier_sft.yaml": "verifier",
-            "corpus_grpo.yaml": "factqa_corpus", "judge_grpo.yaml": "factqa_corpus"}.get(recipe, "scifact_evidence")
+            "corpus_grpo.yaml": "factqa_corpus"}.get(recipe, "scifact_evidence")
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -55,8 +55,6 @@ def test_recipe_runs_one_step(recipe, recipe_data, tiny_model_dir, tmp_path):
         overrides.append(f"reward.corpus_index={index}")
     if base.algorithm.teacher is not None:  # the tiny model teaches itself: the teacher pass runs, its signal is 0
         overrides.append(f"algorithm.teacher={tiny_model_dir}")
-    if base.reward.model is not None:  # the judge: the tiny model too
-        overrides += [f"reward.model={tiny_model_dir}", "reward.model_max_new_tokens=8"]
     if base.stage == "rl":
         overrides += ["trainer.prompts_per_step=1", f"trainer.micro_batch_size={base.rollout.n}"]
         if base.algorithm.overlong_cache_len:
