@@ -23,6 +23,7 @@ setup(
         "tqdm>=4.66",
         "matplotlib>=3.8",
         "infini-gram>=2.5",
+        "cachetools>=5.0",  # the size-bounded LRU cache of corpus clauses (rewards.cooccurrence)
         "peft>=0.21,<0.22",  # LoRA (imported only when model.lora.enabled)
     ],
     extras_require={

@@ -18,14 +18,16 @@ the SAME document, each side checked separately (where the engine's range takes 
 neighbouring document, crosses the separator and is dropped, this count keeps the occurrence)."""
 from __future__ import annotations
 
+import contextlib
 import re
 import unicodedata
 from abc import ABC, abstractmethod
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
+from cachetools import LRUCache
 
 SEMANTICS = ("engine", "document")  # checked by the callers: grpo.config's schema, the CLI's choices
 _WORD = re.compile(r"[^\W_]+")
@@ -160,9 +162,9 @@ class CooccurrenceCounter(ABC):
                  semantics: str = "engine") -> None:
         self.tokenizer = tokenizer
         self.semantics = semantics
-        self._cache: OrderedDict[tuple, Clause] = OrderedDict()
-        self._cached_positions = 0
-        self._cache_limit = cache_positions
+        # A clause costs its positions plus its share of CACHE_ENTRIES, so both bounds hold together.
+        entry_cost = max(1, cache_positions // self.CACHE_ENTRIES)
+        self._cache = LRUCache(cache_positions, getsizeof=lambda clause: len(clause.positions) + entry_cost)
 
     @abstractmethod
     def _clause(self, variants: list[list[int]]) -> Clause:
@@ -174,17 +176,11 @@ class CooccurrenceCounter(ABC):
         if not variants:
             return None
         key = tuple(tuple(ids) for ids in variants)
-        cached = self._cache.get(key)
-        if cached is not None:
-            self._cache.move_to_end(key)
-            return cached
-        clause = self._clause(variants)
-        if len(clause.positions) <= self._cache_limit:
-            self._cache[key] = clause
-            self._cached_positions += len(clause.positions)
-            while self._cached_positions > self._cache_limit or len(self._cache) > self.CACHE_ENTRIES:
-                _, evicted = self._cache.popitem(last=False)
-                self._cached_positions -= len(evicted.positions)
+        clause = self._cache.get(key)
+        if clause is None:
+            clause = self._clause(variants)
+            with contextlib.suppress(ValueError):  # a clause larger than the whole cache is not kept
+                self._cache[key] = clause
         return clause
 
     def count_cooccurrence(self, head_words: Sequence[str], tail_words: Sequence[str], window: int = 1000, *,
