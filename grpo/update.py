@@ -141,31 +141,28 @@ def logprob_pass(model, cfg: Config, vocab_size: int | None, inputs: dict, *,
                                vocab_size=vocab_size, with_entropy=with_entropy)
 
 
-def all_rows(pass_fn: Callable[[dict], Tensor], mini_batches: list[MiniBatch], shape: torch.Size) -> Tensor:
-    """Run a no-grad logprob pass (padded inputs -> [b, T_mb]) over every micro-batch and lay the results out as
-    one [B, T] CPU tensor. Weight-0 passes (which only pair FSDP's collectives) run but are not kept."""
+def all_logprobs(parts, model, mini_batches: list[MiniBatch], shape: torch.Size, *,
+                 adapters_off: bool = False) -> Tensor | None:
+    """A no-grad logprob pass of `model` (None: none, and None back) over every micro-batch, laid out as one [B, T]
+    CPU tensor; weight-0 passes (which only pair FSDP's collectives) run but are not kept. adapters_off: the KL
+    reference, which with LoRA is the policy module itself with its adapters disabled."""
+    if model is None:
+        return None
     out = torch.zeros(shape)
-    for mini in mini_batches:
-        for micro in mini.micro_batches:
-            values = pass_fn(micro.inputs)
-            if micro.weight:
-                out[micro.rows, : values.shape[1]] = values.float().cpu()
+    off = disabled_adapters(model) if adapters_off and model is parts.policy.model else contextlib.nullcontext()
+    with off, evaluating(model):
+        for mini in mini_batches:
+            for micro in mini.micro_batches:
+                values = logprob_pass(model, parts.cfg, parts.vocab_size, micro.inputs)[0]
+                if micro.weight:
+                    out[micro.rows, : values.shape[1]] = values.float().cpu()
     return out
 
 
-def frozen_logprobs(parts, model, inputs: dict) -> Tensor:
-    """A frozen model's logprobs of one micro-batch: the KL reference (with LoRA: the policy module itself, adapters
-    disabled) or the distillation teacher."""
-    adapters_off = disabled_adapters(model) if model is parts.policy.model else contextlib.nullcontext()
-    with adapters_off, evaluating(model):
-        return logprob_pass(model, parts.cfg, parts.vocab_size, inputs)[0]
-
-
 def prepare(parts, batch: Batch, dist) -> Prepared:
-    """What the update trains on: its plan, the old and reference logprobs (once per rollout, before any update,
-    in eval mode: the engines sample without dropout), the rewards with their penalties (DAPO's overlong shaping,
-    verl's KL in the reward) and the advantages, the distillation teacher's signal included. parts:
-    grpo.trainer.Parts."""
+    """What the update trains on: its plan, the old, reference and teacher logprobs (once per rollout, before any
+    update, in eval mode: the engines sample without dropout), the rewards with their penalties (DAPO's overlong
+    shaping, verl's KL in the reward) and the advantages (with the teacher's signal). parts: grpo.trainer.Parts."""
     cfg, model = parts.cfg, parts.policy.model
     algo = cfg.algorithm
     to_device = lambda reduce: lambda t: reduce(t.to(dist.device)).cpu()  # noqa: E731
@@ -175,17 +172,11 @@ def prepare(parts, batch: Batch, dist) -> Prepared:
     # The old logprobs need a pass of their own with several optimizer steps per rollout, the KL in the reward or
     # distillation (they need them before the update), or dropout (the update's pass would differ from the engines').
     one_update = algo.ppo_epochs == 1 and algo.ppo_mini_batch_size in (None, cfg.trainer.prompts_per_step)
-    with torch.no_grad(), evaluating(model):
-        old = ref = teacher = None
-        if not one_update or algo.kl_in_reward or parts.teacher is not None or dropout_active(model):
-            old = all_rows(lambda inputs: logprob_pass(model, cfg, parts.vocab_size, inputs)[0], mini_batches,
-                           batch.mask.shape)
-        if parts.reference is not None:
-            ref = all_rows(lambda inputs: frozen_logprobs(parts, parts.reference, inputs), mini_batches,
-                           batch.mask.shape)
-        if parts.teacher is not None:
-            teacher = all_rows(lambda inputs: frozen_logprobs(parts, parts.teacher, inputs), mini_batches,
-                               batch.mask.shape)
+    own_pass = not one_update or algo.kl_in_reward or parts.teacher is not None or dropout_active(model)
+    with torch.no_grad():
+        old = all_logprobs(parts, model if own_pass else None, mini_batches, batch.mask.shape)
+        ref = all_logprobs(parts, parts.reference, mini_batches, batch.mask.shape, adapters_off=True)
+        teacher = all_logprobs(parts, parts.teacher, mini_batches, batch.mask.shape)
     rewards, metrics = batch.rewards.clone(), {}
     if algo.overlong_cache_len > 0:
         rewards += overlong_penalty(batch.lengths, cfg.rollout.max_new_tokens, algo.overlong_cache_len,

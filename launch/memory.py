@@ -31,16 +31,12 @@ def this_gpu_gib() -> float:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIB
 
 
-def read_model_config(path: str | Path) -> dict:
-    """A model's config.json (a file or the directory holding it)."""
-    path = Path(path)
-    return json.loads((path / "config.json" if path.is_dir() else path).read_text())
-
-
-def teacher_config(cfg: Config) -> dict | None:
-    """The distillation teacher's config.json where its directory is here (None: sized as the student)."""
-    path = Path(cfg.algorithm.teacher or "") / "config.json"
-    return read_model_config(path) if cfg.algorithm.teacher and path.is_file() else None
+def read_model_config(path: str | Path | None) -> dict | None:
+    """A model's config.json (a file or the directory holding it); None where there is none here."""
+    if path is None:
+        return None
+    path = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def shapes(model: dict) -> dict:

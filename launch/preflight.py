@@ -16,7 +16,7 @@ import yaml
 import rewards
 from data.rows import numbered_rows, validate_row
 from grpo.config import Config, ConfigError, resume_differences, startup_warnings
-from launch.memory import check_fit, read_model_config, teacher_config, this_gpu_gib
+from launch.memory import check_fit, read_model_config, this_gpu_gib
 from launch.plan import Target, check_plan, run_plan
 from models import load_tokenizer, render_prompt, resolve_model_dir
 from models.checkpoint import check_files, complete_checkpoints
@@ -238,7 +238,7 @@ def prepare(cfg: Config, dist, *, rows: list[dict] | None = None, eval_rows: lis
         _check_teacher(cfg, tokenizer, f"{key}={source or 'the embedded model'}")
     if here.device == "cuda" and (model_dir / "config.json").is_file():  # memory from config.json, no weights
         check_fit(run_plan(cfg, here, str(model_dir), read_model_config(model_dir), this_gpu_gib(),
-                           teacher_config(cfg))["memory"])
+                           read_model_config(cfg.algorithm.teacher))["memory"])
     train, prompt_ids = _tokenize_prompts(cfg, tokenizer, train, notes)
     if not train:
         raise ConfigError(f"data.filter_overlong_prompts: no training row has a prompt of at most "

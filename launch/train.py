@@ -30,7 +30,7 @@ from grpo.config import Config, ConfigError, startup_warnings
 from grpo.trainer import StepFailed
 from launch.build import build, build_scorer
 from launch.dist import CollectiveFailed, DistInfo, exit_rank, init_distributed, shutdown
-from launch.memory import check_fit, read_model_config, teacher_config, this_gpu_gib
+from launch.memory import check_fit, read_model_config, this_gpu_gib
 from launch.memory import describe as describe_memory
 from launch.plan import Target, check_plan, describe_batch, run_plan
 from launch.preflight import prepare
@@ -171,14 +171,12 @@ def _dry_run(cfg: Config, dist: DistInfo, args: argparse.Namespace) -> None:
     else:
         check_plan(cfg, target)
         warnings, summary = startup_warnings(cfg), f"ok: settings checked for {target.device} x {target.world_size}"
-    config_path = Path(args.model_config or model)  # the model's config.json (or its directory): memory estimate
-    config_path = config_path / "config.json" if config_path.is_dir() else config_path
-    if args.model_config and not config_path.is_file():
-        raise ConfigError(f"--model-config: file not found: {config_path}")
-    model_config = read_model_config(config_path) if config_path.is_file() else None
+    model_config = read_model_config(args.model_config or model)  # the model's config.json: memory estimate
+    if args.model_config and model_config is None:
+        raise ConfigError(f"--model-config: no config.json at {args.model_config}")
     here_gpu = target.device == "cuda" and torch.cuda.is_available()
     gpu_gib = args.gpu_memory_gib or (this_gpu_gib() if here_gpu else None)
-    plan = run_plan(cfg, target, model, model_config, gpu_gib, teacher_config(cfg))
+    plan = run_plan(cfg, target, model, model_config, gpu_gib, read_model_config(cfg.algorithm.teacher))
     if dist.is_main:
         print(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
         for warning in warnings:
