@@ -457,10 +457,10 @@ def check_algorithm(algo: AlgorithmConfig) -> None:
         # A token mean would weight each sequence by its length: another objective (verl forces this one for GSPO).
         raise ConfigError(f"algorithm.ratio_level=sequence (GSPO) with algorithm.agg={algo.agg}: GSPO's objective "
                           f"is a mean over sequences; set algorithm.agg={GSPO_AGGREGATION}")
-    if algo.adv_estimator == "none" and (algo.teacher is None or algo.distill_coef == 0):
-        raise ConfigError(f"algorithm.adv_estimator=none leaves only on-policy distillation's signal: it needs "
-                          f"algorithm.teacher (got {algo.teacher}) and algorithm.distill_coef > 0 (got "
-                          f"{algo.distill_coef})")
+    if algo.adv_estimator == "none" and (algo.teacher is None or algo.distill_coef == 0 or algo.dynamic_sampling):
+        raise ConfigError(f"algorithm.adv_estimator=none trains on distillation alone: it needs algorithm.teacher (got "
+                          f"{algo.teacher}), algorithm.distill_coef > 0 (got {algo.distill_coef}) and no "
+                          f"algorithm.dynamic_sampling (it would drop every group whose rewards are flat)")
     if algo.kl_in_reward and algo.kl_coef <= 0:
         raise ConfigError(f"algorithm.kl_in_reward=true needs algorithm.kl_coef > 0 (got {algo.kl_coef}): it "
                           f"is the coefficient of the KL subtracted from the reward")

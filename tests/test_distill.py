@@ -85,9 +85,12 @@ def test_refusals(setup, tmp_path, monkeypatch):
     from tiny import tiny_model
 
     root, model_dir, _ = setup
-    with pytest.raises(ConfigError, match="adv_estimator=none leaves only on-policy distillation's signal: it needs "
-                                          "algorithm.teacher"):
+    with pytest.raises(ConfigError, match=r"adv_estimator=none trains on distillation alone: it needs "
+                                          r"algorithm.teacher \(got None\)"):
         check(load_config(None, ["algorithm.adv_estimator=none", "reward.sentence_coef=0"]))
+    with pytest.raises(ConfigError, match="and no algorithm.dynamic_sampling"):
+        check(load_config(None, ["algorithm.adv_estimator=none", "reward.sentence_coef=0", "algorithm.teacher=t",
+                                 "algorithm.dynamic_sampling=true"]))
     foreign = tmp_path / "foreign_tokenizer"
     tiny_model("llama", seed=0).save_pretrained(foreign)
     tokenizer = load_tokenizer(None)
