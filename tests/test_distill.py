@@ -70,7 +70,7 @@ def test_teacher_equal_to_student_gives_zero_advantage_and_gradient(setup):
 
 
 def test_flat_groups_are_no_warning_with_a_teacher():
-    from grpo.metrics import NoSignalWatch
+    from grpo.trainer import NoSignalWatch
 
     flat = {"flat_group_frac": 1.0, "truncation_rate": 0.6}  # every group flat, truncation above its threshold
     common = ["trainer.warn_truncation=0.5", "trainer.warn_after_steps=1", "algorithm.teacher=any",

@@ -9,10 +9,9 @@ import torch
 
 from grpo.evaluate import evaluate, greedy_completions, summarize
 from grpo.groups import LocalRollout, PromptSampler
-from grpo.metrics import NoSignalWatch, reduce_metrics, step_metrics
 from grpo.scoring import Scorer, correctness, format_success
 from grpo.stats import mean_interval, paired_difference
-from grpo.trainer import held_out_due
+from grpo.trainer import NoSignalWatch, held_out_due, reduce_metrics, step_metrics
 from rollout.engine import Completion
 
 
