@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from grpo.scoring import Scorer, correctness, numeric_components
+from grpo.groups import Scorer, correctness, numeric_components
 from grpo.stats import mean_interval
 
 

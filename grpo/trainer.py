@@ -23,9 +23,8 @@ from torch import Tensor
 from grpo.advantages import flat_groups
 from grpo.config import Config, TrainerConfig
 from grpo.evaluate import summarize
-from grpo.groups import PromptSampler, Rollout
+from grpo.groups import PromptSampler, Rollout, format_success
 from grpo.losses import aggregate, loss_denominator, masked_mean
-from grpo.scoring import format_success
 from grpo.update import optimizer_step, prepare, update
 from models.batching import pad_batch
 from models.logprobs import completion_logprobs

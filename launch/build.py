@@ -11,8 +11,7 @@ from pathlib import Path
 import torch
 
 from grpo.config import Config, ConfigError
-from grpo.groups import LocalRollout, PromptSampler
-from grpo.scoring import Scorer
+from grpo.groups import LocalRollout, PromptSampler, Scorer
 from grpo.trainer import Parts, Policy, deadline, train_rl, train_sft
 from grpo.update import lr_factor
 from launch.checkpointing import Checkpointer

@@ -23,7 +23,7 @@ from data.eval_metrics import FACTQA, score_example, summarize
 from data.jsonio import atomic_write_text, exit_on_bad_input
 from data.rows import read_rows
 from grpo.evaluate import greedy_completions
-from grpo.scoring import Scorer
+from grpo.groups import Scorer
 from launch.build import build_engine
 from launch.plan import Target
 from launch.recipe import load_config

@@ -283,7 +283,7 @@ def factqa_reward_for(reward: RewardConfig, *, device: str = "cpu") -> Callable[
 
 
 def reward_functions(reward: RewardConfig, rows: list[dict], *, device: str = "cpu"):
-    """(compute_score, compute_scores or None, the worker pool or None) of a run, for grpo.scoring.Scorer: with
+    """(compute_score, compute_scores or None, the worker pool or None) of a run, for grpo.groups.Scorer: with
     reward.num_workers every call goes through the workers (each builds the configured reward itself); else the
     configured factqa_corpus reward is registered here, as a worker registers its own."""
     register_functions(reward.functions, reward.corpus_index)

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from grpo.evaluate import evaluate, greedy_completions, summarize
-from grpo.groups import LocalRollout, PromptSampler
-from grpo.scoring import Scorer, correctness, format_success
+from grpo.groups import LocalRollout, PromptSampler, Scorer, correctness, format_success
 from grpo.stats import mean_interval, paired_difference
 from grpo.trainer import NoSignalWatch, held_out_due, reduce_metrics, step_metrics
 from rollout.engine import Completion

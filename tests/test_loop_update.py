@@ -6,8 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo.groups import LocalRollout
-from grpo.scoring import Scorer
+from grpo.groups import LocalRollout, Scorer
 from grpo.trainer import Parts, Policy, train_rl
 from launch.dist import DistInfo
 from launch.recipe import load_config

@@ -10,7 +10,7 @@ import torch
 
 import rewards
 from grpo.config import ConfigError, RewardConfig
-from grpo.scoring import Scorer
+from grpo.groups import Scorer
 from launch.reward_pool import RewardPool
 
 

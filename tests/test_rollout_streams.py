@@ -8,8 +8,7 @@ import itertools
 
 import torch
 
-from grpo.groups import LocalRollout
-from grpo.scoring import Scorer
+from grpo.groups import LocalRollout, Scorer
 from grpo.trainer import Parts, Policy, train_rl
 from launch.dist import DistInfo
 from launch.recipe import load_config
