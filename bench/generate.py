@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import GenerationConfig
 
     from models import load_model, load_tokenizer, render_prompt, resolve_model_dir
-    from models.batching import pad_batch
+    from models.logprobs import pad_batch
     from rollout.hf_engine import HFEngine
 
     tokenizer = load_tokenizer(None)

@@ -21,8 +21,8 @@ import torch
 
 
 def _batch(config, batch: int, seq_len: int, prompt_len: int, device: torch.device) -> dict:
-    """Random prompt and completion ids laid out by models.batching.pad_batch (one sequence per row)."""
-    from models.batching import pad_batch
+    """Random prompt and completion ids laid out by models.logprobs.pad_batch (one sequence per row)."""
+    from models.logprobs import pad_batch
 
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, config.vocab_size, (batch, prompt_len), generator=generator).tolist()

@@ -35,7 +35,7 @@ class Run:
 
         from bench.tiny import tiny_model
         from models import load_model
-        from models.batching import pad_batch
+        from models.logprobs import pad_batch
         from models.lora import apply_lora
 
         self.rank = rank

@@ -33,7 +33,7 @@ def uneven_batch(tokenizer, prompts: int, group: int, low: int, high: int, seed:
     [low, high] (random token ids: the pass's cost does not depend on them)."""
     from data.synthetic import generate_rows
     from models import render_prompt
-    from models.batching import pad_batch
+    from models.logprobs import pad_batch
 
     generator = torch.Generator().manual_seed(seed)
     rows = generate_rows(max(prompts, 8), seed=seed)[:prompts]

@@ -26,8 +26,7 @@ from grpo.evaluate import summarize
 from grpo.groups import PromptSampler, Rollout, format_success
 from grpo.losses import aggregate, loss_denominator, masked_mean
 from grpo.update import optimizer_step, prepare, update
-from models.batching import pad_batch
-from models.logprobs import completion_logprobs
+from models.logprobs import completion_logprobs, pad_batch
 
 EXIT_STALLED = 124  # as coreutils' timeout(1)
 SFT_AGG = "token-mean"  # every completion token of an SFT step weighs the same

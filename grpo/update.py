@@ -15,8 +15,7 @@ from grpo.advantages import compute_advantages, distill_advantages, kl_reward_pe
 from grpo.config import Config
 from grpo.groups import Batch
 from grpo.losses import kl_penalty, loss_denominator, masked_mean, rl_loss
-from models.batching import micro_batches_by_tokens, pad_batch
-from models.logprobs import completion_logprobs, dropout_active, evaluating
+from models.logprobs import completion_logprobs, dropout_active, evaluating, micro_batches_by_tokens, pad_batch
 from models.lora import disabled_adapters
 
 

@@ -11,8 +11,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from models.batching import pad_batch
-from models.logprobs import evaluating, sampleable_vocab_size
+from models.logprobs import evaluating, pad_batch, sampleable_vocab_size
 from rollout.cpu_decode import CPUDecoding, supported
 from rollout.engine import Completion, Engine, completion_text, oom_explained, torch_threads, validate_request
 
@@ -68,7 +67,7 @@ class HFEngine(Engine):
         prompt_lengths = torch.tensor([len(prompt) for prompt in prompts]).repeat_interleave(n)
         budget = (self.max_context - prompt_lengths).clamp(max=max_new_tokens).to(device)
         steps = int(budget.max())
-        # Prompts left-padded with the trainer's positions (models.batching.pad_batch), so their logprobs agree.
+        # Prompts left-padded with the trainer's positions (models.logprobs.pad_batch), so their logprobs agree.
         batch = pad_batch(prompts, [[] for _ in prompts], self.tokenizer.pad_token_id)
         input_ids, attention_mask, position_ids = (batch[key].to(device) for key in
                                                    ("input_ids", "attention_mask", "position_ids"))

@@ -14,8 +14,7 @@ import torch
 import torch.distributed as dist
 
 from models import fsdp
-from models.batching import pad_batch
-from models.logprobs import completion_logprobs
+from models.logprobs import completion_logprobs, pad_batch
 from models.checkpoint import load_checkpoint, save_checkpoint
 from models.lora import apply_lora, disabled_adapters, merged_state_dict
 from tiny import tiny_model

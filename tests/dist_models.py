@@ -18,9 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from models import fsdp
-from models.batching import pad_batch
 from models.checkpoint import load_checkpoint, save_checkpoint
-from models.logprobs import completion_logprobs
+from models.logprobs import completion_logprobs, pad_batch
 from tiny import tiny_model
 from tests_support import resume_check, run_under_torchrun
 

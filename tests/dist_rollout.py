@@ -18,8 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from models import fsdp, load_model, load_tokenizer, render_prompt, resolve_model_dir
-from models.batching import pad_batch
-from models.logprobs import completion_logprobs
+from models.logprobs import completion_logprobs, pad_batch
 from rollout.sync import sync_weights
 
 QUESTIONS = ["Name three fruits.", "What is the capital of France? Answer in one sentence."]

@@ -239,8 +239,7 @@ def test_phase_flops_equal_torch_flop_counter_plus_attention(arch, tie):
     from torch.utils.flop_counter import FlopCounterMode
 
     from bench.flops import DecoderShape, decode_flops, logprob_pass_flops, prefill_flops
-    from models.batching import pad_batch
-    from models.logprobs import completion_logprobs
+    from models.logprobs import completion_logprobs, pad_batch
     from tiny import tiny_model
 
     model = tiny_model(arch, tie_word_embeddings=tie)

@@ -95,8 +95,7 @@ def test_trainer_normalises_over_the_ids_the_engine_samples(tmp_path, padded_mod
 
 def test_completion_logprobs_vocab_size_is_the_renormalised_distribution(padded_model_dir):
     from models import load_model
-    from models.batching import pad_batch
-    from models.logprobs import completion_logprobs, sampleable_vocab_size
+    from models.logprobs import completion_logprobs, pad_batch, sampleable_vocab_size
     from models import load_tokenizer
     model, tokenizer = load_model(str(padded_model_dir)), load_tokenizer(str(padded_model_dir))
     vocab = sampleable_vocab_size(model, tokenizer)

@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from models import fsdp, load_tokenizer
-from models.batching import pad_batch
 from launch.recipe import load_config
 from models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from models.logprobs import completion_logprobs
+from models.logprobs import completion_logprobs, pad_batch
 from models.lora import apply_lora, disabled_adapters, is_lora, merged_state_dict
 from tiny import tiny_model
 from rollout.hf_engine import HFEngine

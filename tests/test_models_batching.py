@@ -1,10 +1,10 @@
-"""The token-budget micro-batch planner (models.batching.micro_batches_by_tokens): hand-worked plans, the
+"""The token-budget micro-batch planner (models.logprobs.micro_batches_by_tokens): hand-worked plans, the
 budget error, and properties over random lengths (a partition, within budget, evenly loaded)."""
 import random
 
 import pytest
 
-from models.batching import micro_batches_by_tokens
+from models.logprobs import micro_batches_by_tokens
 
 
 def test_hand_worked_plans():

@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from models import fsdp, load_tokenizer
-from models.batching import pad_batch
 from models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from models.logprobs import completion_logprobs
+from models.logprobs import completion_logprobs, pad_batch
 from tiny import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]

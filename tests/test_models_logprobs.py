@@ -5,9 +5,8 @@ import doctest
 import pytest
 import torch
 
-import models.batching
-from models.batching import pad_batch
-from models.logprobs import LogprobsFromHidden, completion_logprobs, prompt_groups
+import models.logprobs
+from models.logprobs import LogprobsFromHidden, completion_logprobs, pad_batch, prompt_groups
 from tiny import tiny_model
 
 
@@ -26,7 +25,7 @@ def random_pairs(seed: int, prompt_lengths, completion_lengths):
 
 
 def test_pad_batch_doctest():
-    assert doctest.testmod(models.batching).failed == 0
+    assert doctest.testmod(models.logprobs).failed == 0
 
 
 def test_pad_batch_layout():

@@ -10,8 +10,7 @@ import torch.nn.functional as F
 
 from bench.packed import segment_mask
 from models.attention import flash_varlen_attention, segment_attention, varlen_layout
-from models.batching import pad_batch
-from models.logprobs import completion_logprobs, pack_batch, prompt_groups
+from models.logprobs import completion_logprobs, pack_batch, pad_batch, prompt_groups
 from tiny import tiny_model
 
 

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from models import load_tokenizer
-from models.batching import pad_batch
-from models.logprobs import completion_logprobs
+from models.logprobs import completion_logprobs, pad_batch
 from tiny import tiny_model
 from rollout.cpu_decode import CPUDecoding, KVBuffer, supported
 from rollout.hf_engine import HFEngine

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from models import load_model, load_tokenizer, render_prompt, resolve_model_dir
-from models.batching import pad_batch
-from models.logprobs import completion_logprobs
+from models.logprobs import completion_logprobs, pad_batch
 from rollout.engine import Completion, Engine, torch_threads
 from rollout.sync import sync_weights
 
