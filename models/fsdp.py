@@ -100,10 +100,6 @@ def shard(model: torch.nn.Module, mesh, *, param_dtype: torch.dtype | None) -> t
     return model
 
 
-def is_sharded(model: torch.nn.Module) -> bool:
-    return isinstance(model, FSDPModule)  # shard makes the model's class a subclass of FSDPModule
-
-
 def reshard(model: torch.nn.Module) -> None:
     """Put every FSDP unit's shards back as its parameters (nothing for a plain model). After a forward without
     backward (a no-grad logprob pass) the root still holds its gathered parameters, in param_dtype."""

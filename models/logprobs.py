@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 
 from models import fsdp
 from models.attention import PACKABLE_IMPLEMENTATIONS, install_dispatch, varlen_layout
@@ -276,8 +277,9 @@ def _completion_hidden(model, batch: dict, *, share_prompts: bool, packed: bool)
         # The shared-prompt pass runs two forwards on a KV cache, which gradient checkpointing drops inside its
         # layers. Under FSDP every rank must run as many forwards as the others (each all-gathers every layer),
         # while whether a micro-batch repeats a prompt differs by rank, so a model sharded over several ranks never
-        # takes it. The packed pass then shares the prompts where the model can pack; elsewhere the plain pass runs.
-        on_cache = shared and not checkpointing and not (fsdp.is_sharded(model) and fsdp.world_size() > 1)
+        # takes it (models.fsdp.shard makes a model's class a subclass of FSDPModule). The packed pass then shares
+        # the prompts where the model can pack; elsewhere the plain pass runs.
+        on_cache = shared and not checkpointing and not (isinstance(model, FSDPModule) and fsdp.world_size() > 1)
         if packed or (shared and not on_cache and unpackable(model) is None):
             return _packed_hidden(model, batch, prompt_index if shared else None, captured, device)
         # On CPU, grouped-query attention by torch's kernel instead of transformers' copies of the key/value heads
