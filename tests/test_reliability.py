@@ -257,11 +257,11 @@ def _in_process(tmp_path, model_dir, run_name, steps, *extra):
 def test_failed_evaluation_ends_the_run_naming_the_step_and_keeps_the_checkpoint(tmp_path, tiny_model_dir, monkeypatch):
     """A held-out evaluation that fails mid-run (here: the third one, after step 2) stops the run naming the
     phase and the step; the last checkpoint (step 1) is complete, and resuming from it finishes the run."""
-    import grpo.groups
+    import grpo.evaluate  # LocalRollout.evaluate looks the function up there at each call
     from launch.train import RunFailed
     from models.checkpoint import latest_checkpoint
     rows = _rows(tmp_path / "rows.jsonl")
-    original, calls = grpo.groups.evaluate, []
+    original, calls = grpo.evaluate.evaluate, []
 
     def failing(*args, **kwargs):
         calls.append(1)
@@ -269,13 +269,13 @@ def test_failed_evaluation_ends_the_run_naming_the_step_and_keeps_the_checkpoint
             raise RuntimeError("reward service unreachable")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(grpo.groups, "evaluate", failing)
+    monkeypatch.setattr(grpo.evaluate, "evaluate", failing)
     with pytest.raises(RunFailed, match=r"held-out evaluation failed at step 2 on rank 0: RuntimeError: reward "
                                         r"service unreachable"):
         _in_process(tmp_path, tiny_model_dir, "evalfail", 4, f"data.eval_files=['{rows}']", "trainer.eval_every=1",
                     "trainer.save_every=1", "data.eval_size=2")
     assert latest_checkpoint(tmp_path / "evalfail" / "checkpoints") == tmp_path / "evalfail" / "checkpoints" / "step_1"
-    monkeypatch.setattr(grpo.groups, "evaluate", original)
+    monkeypatch.setattr(grpo.evaluate, "evaluate", original)
     summary = _in_process(tmp_path, tiny_model_dir, "evalfail", 4, f"data.eval_files=['{rows}']", "trainer.eval_every=1",
                           "trainer.save_every=1", "data.eval_size=2", "--resume")
     assert [record["step"] for record in _metrics(tmp_path / "evalfail") if "eval/reward" in record][-1] == 4
