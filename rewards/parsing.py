@@ -9,7 +9,6 @@ import json
 import re
 import string
 from collections import Counter
-from typing import NamedTuple
 
 _PUNCTUATION_TO_SPACE = str.maketrans({character: " " for character in string.punctuation})
 _SENTENCE = re.compile(r"\S+(?:(?<![.!?])\s+\S+)*")  # words joined by whitespace that follows no . ! or ?
@@ -24,34 +23,16 @@ def normalize_text(text: str) -> str:
     return " ".join(text.lower().translate(_PUNCTUATION_TO_SPACE).split())
 
 
-class TokenBag(NamedTuple):
-    """normalize_text tokens of one text as counts, their number, and the tokens seen more than once."""
-
-    counts: dict[str, int]
-    length: int
-    repeated: frozenset
+def token_bag(text: str) -> Counter:
+    """The normalize_text tokens of a text with their counts (a gold side is built once per ground truth)."""
+    return Counter(normalize_text(text).split())
 
 
-def token_bag(text: str) -> TokenBag:
-    """The TokenBag of a text (a gold side is built once per ground truth)."""
-    tokens = normalize_text(text).split()
-    counts = Counter(tokens)  # counted in C
-    if len(counts) == len(tokens):
-        return TokenBag(counts, len(tokens), frozenset())
-    return TokenBag(counts, len(tokens), frozenset(token for token, count in counts.items() if count > 1))
-
-
-def bag_f1(prediction: TokenBag, gold: TokenBag) -> float:
+def bag_f1(prediction: Counter, gold: Counter) -> float:
     """Token F1 = 2*shared / (len(prediction) + len(gold)) = 2PR/(P+R), shared = the sum over common tokens of
-    the smaller count: len(common), corrected for tokens repeated on both sides (usually a set intersection in C)."""
-    common = prediction.counts.keys() & gold.counts.keys()
-    if not common:  # also when either side is empty
-        return 0.0
-    shared = len(common)
-    if prediction.repeated and gold.repeated:
-        for token in common & prediction.repeated & gold.repeated:
-            shared += min(prediction.counts[token], gold.counts[token]) - 1
-    return 2 * shared / (prediction.length + gold.length)
+    the smaller count (the common tokens found by a set intersection in C); 0 when none is shared."""
+    shared = sum(min(prediction[token], gold[token]) for token in prediction.keys() & gold.keys())
+    return 2 * shared / (prediction.total() + gold.total()) if shared else 0.0
 
 
 def token_f1(prediction: str, gold: str) -> float:

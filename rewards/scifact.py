@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import functools
 import re
+from collections import Counter
 
-from rewards.parsing import TokenBag, bag_f1, extract_block, load_ground_truth, normalize_text, token_bag, token_f1
+from rewards.parsing import bag_f1, extract_block, load_ground_truth, normalize_text, token_bag, token_f1
 
 SUPPORTS, REFUTES, NOT_ENOUGH_INFO = "SUPPORTS", "REFUTES", "NOT_ENOUGH_INFO"
 LABELS = (SUPPORTS, REFUTES, NOT_ENOUGH_INFO)
@@ -56,7 +57,7 @@ def evidence_items(block: str | None) -> list[str]:
     return items or ([stripped] if stripped else [])
 
 
-def _parse(ground_truth: object) -> tuple[str, tuple[str, ...], tuple[TokenBag, ...]]:
+def _parse(ground_truth: object) -> tuple[str, tuple[str, ...], tuple[Counter, ...]]:
     value = load_ground_truth(ground_truth)
     if isinstance(value, str):
         return value, (), ()
@@ -71,20 +72,19 @@ def _parse(ground_truth: object) -> tuple[str, tuple[str, ...], tuple[TokenBag, 
         evidence = [evidence]
     if not isinstance(evidence, list) or not all(isinstance(item, str) for item in evidence):
         raise ValueError(f"field '{evidence_key}' must be a list of strings in ground truth {value!r:.200}")
-    bags = (token_bag(item) for item in evidence)
-    return value[answer_key], tuple(evidence), tuple(bag for bag in bags if bag.length)
+    return value[answer_key], tuple(evidence), tuple(bag for bag in map(token_bag, evidence) if bag)
 
 
 _parse_cached = functools.lru_cache(maxsize=4096)(_parse)
 
 
-def parse_ground_truth(ground_truth: object) -> tuple[str, tuple[str, ...], tuple[TokenBag, ...]]:
+def parse_ground_truth(ground_truth: object) -> tuple[str, tuple[str, ...], tuple[Counter, ...]]:
     """(answer text, gold evidence sentences, their non-empty token bags); ValueError names a bad field. Cached
     for strings: the G completions of a prompt share one ground truth."""
     return _parse_cached(ground_truth) if isinstance(ground_truth, str) else _parse(ground_truth)
 
 
-def evidence_score(items: list[str], gold: tuple[TokenBag, ...]) -> float:
+def evidence_score(items: list[str], gold: tuple[Counter, ...]) -> float:
     """Mean over predicted items of the best token F1 against any gold item; 0 if either side is empty."""
     if not items or not gold:
         return 0.0
