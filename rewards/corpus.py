@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data.jsonio import iter_jsonl
 from rewards.cooccurrence import SEMANTICS, Clause, CooccurrenceCounter, ExternalTokenizer, WordTokenizer
 
 META_FILE, VOCAB_FILE = "nanogrpo-index.json", "vocab.txt"
@@ -77,19 +78,12 @@ def _engine_safe(path: Path) -> bool:
 
 
 def read_texts(input_path: Path, text_field: str = "text") -> Iterator[str]:
-    """The `text_field` string of every non-blank line; ValueError naming the file and line otherwise."""
-    with open(input_path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{input_path}:{line_number}: not valid JSON ({error.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                raise ValueError(f"{input_path}:{line_number}: expected an object with a string field "
-                                 f"{text_field!r}")
-            yield record[text_field]
+    """The `text_field` string of every non-blank line; ValueError naming the file and line otherwise (also for a
+    file without a record: data.jsonio.iter_jsonl's checks)."""
+    for line_number, record in iter_jsonl(input_path):
+        if not isinstance(record.get(text_field), str):
+            raise ValueError(f"{input_path}:{line_number}: expected an object with a string field {text_field!r}")
+        yield record[text_field]
 
 
 def _run_builder(work_dir: Path, data_bytes: int, cpus: int | None) -> None:
@@ -166,8 +160,6 @@ def build_index(input_path: str | os.PathLike, out_dir: str | os.PathLike, *, te
     work_dir = out_dir if _engine_safe(out_dir) else Path(tempfile.mkdtemp(prefix="nanogrpo-index-build-"))
     try:
         lengths, largest = _encode_corpus(input_path, text_field, tokenizer, work_dir / "ids.tmp")
-        if len(lengths) == 0:
-            raise ValueError(f"corpus file {input_path} holds no document")
         layout = choose_layout(largest, str(input_path))
         data_bytes = _write_tokens(work_dir / "ids.tmp", lengths, layout, work_dir)
         (work_dir / "ids.tmp").unlink()

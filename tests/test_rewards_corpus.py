@@ -223,10 +223,10 @@ def test_build_input_errors(tmp_path):
     with pytest.raises(ValueError, match=r"bad.jsonl:3: .*'text'"):
         build_index(tmp_path / "bad.jsonl", tmp_path / "b")
     (tmp_path / "junk.jsonl").write_text("not json\n")
-    with pytest.raises(ValueError, match=r"junk.jsonl:1: not valid JSON"):
+    with pytest.raises(ValueError, match=r"junk.jsonl:1: invalid JSON"):
         build_index(tmp_path / "junk.jsonl", tmp_path / "c")
     (tmp_path / "empty.jsonl").write_text("\n")
-    with pytest.raises(ValueError, match="no document"):
+    with pytest.raises(ValueError, match="empty.jsonl: the file has no records"):
         build_index(tmp_path / "empty.jsonl", tmp_path / "d")
     assert not any((tmp_path / name).exists() for name in "abcd")
 
