@@ -19,14 +19,14 @@ SCALES = ("group", "batch", "none")
 
 # Argument checks of the math here and in grpo/losses.py: each raises ValueError naming the argument and its shape.
 
-def check_ndim(tensor: Tensor, name: str, ndim: int) -> None:
-    if tensor.ndim != ndim:
-        raise ValueError(f"{name} must have {ndim} dimension(s), got shape {tuple(tensor.shape)}")
-
-
-def check_same_shape(a: Tensor, a_name: str, b: Tensor, b_name: str) -> None:
-    if tuple(a.shape) != tuple(b.shape):
-        raise ValueError(f"{a_name} has shape {tuple(a.shape)} but {b_name} has shape {tuple(b.shape)}")
+def check_shapes(ndim: int, **tensors: Tensor | None) -> None:
+    """The first tensor must have `ndim` dimensions and every later one that is given (not None) its shape."""
+    (first, reference), *others = tensors.items()
+    if reference.ndim != ndim:
+        raise ValueError(f"{first} must have {ndim} dimension(s), got shape {tuple(reference.shape)}")
+    for name, tensor in others:
+        if tensor is not None and tensor.shape != reference.shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)} but {first} has shape {tuple(reference.shape)}")
 
 
 def check_choice(value: str, name: str, choices: tuple[str, ...]) -> None:
@@ -48,7 +48,7 @@ def flat_groups(values: Tensor, group_size: int) -> Tensor:
     >>> flat_groups(torch.tensor([0.7, 0.7, 0.0, 1.0]), 2)
     tensor([ True, False])
     """
-    check_ndim(values, "values", 1)
+    check_shapes(1, values=values)
     check_groups(values.shape[0], group_size)
     grouped = values.view(-1, group_size)
     return (grouped == grouped[:, :1]).all(dim=1)
@@ -64,10 +64,9 @@ def keep_groups(metric: Tensor, group_size: int) -> Tensor:
 def batch_moments(values: Tensor, weights: Tensor | None = None) -> Tensor:
     """(count, sum, sum of squares) [3] float64 of the values [B] whose weight [B] is non-zero (None: all), to be
     summed over ranks and turned into the batch std by moments_std. Filler groups (weight 0) do not set the scale."""
-    check_ndim(values, "values", 1)
+    check_shapes(1, values=values, weights=weights)
     values = values.detach().to(torch.float64)
     keep = torch.ones_like(values) if weights is None else (weights.detach() != 0).to(torch.float64)
-    check_same_shape(keep, "weights", values, "values")
     return torch.stack([keep.sum(), (keep * values).sum(), (keep * values.square()).sum()])
 
 
@@ -97,13 +96,12 @@ def completion_returns(rewards: Tensor, token_shaping: Tensor, mask: Tensor) -> 
 
 
 def _check_returns(rewards: Tensor, group_size: int, token_shaping: Tensor | None, mask: Tensor | None) -> None:
-    check_ndim(rewards, "rewards", 1)
+    check_shapes(1, rewards=rewards)
     if not rewards.is_floating_point():
         raise ValueError(f"rewards must be a floating-point tensor, got dtype {rewards.dtype}")
     check_groups(rewards.shape[0], group_size)
     if token_shaping is not None:
-        check_ndim(token_shaping, "token_shaping", 2)
-        check_same_shape(token_shaping, "token_shaping", mask, "mask")
+        check_shapes(2, mask=mask, token_shaping=token_shaping)
         if token_shaping.shape[0] != rewards.shape[0]:
             raise ValueError(f"rewards has shape {tuple(rewards.shape)} but token_shaping has "
                              f"{tuple(token_shaping.shape)}")
@@ -157,7 +155,7 @@ def overlong_penalty(lengths: Tensor, max_len: int, cache_len: int, factor: floa
     >>> overlong_penalty(torch.tensor([10, 16, 18, 20, 25]), max_len=20, cache_len=4)
     tensor([ 0.0000,  0.0000, -0.5000, -1.0000, -1.0000])
     """
-    check_ndim(lengths, "lengths", 1)
+    check_shapes(1, lengths=lengths)
     if not 0 < cache_len <= max_len:
         raise ValueError(f"need 0 < cache_len <= max_len, got cache_len={cache_len}, max_len={max_len}")
     lengths = lengths.to(torch.float32)
@@ -177,8 +175,7 @@ def kl_reward_penalty(kl_values: Tensor, mask: Tensor, coef: float) -> Tensor:
     >>> kl_reward_penalty(kl, torch.tensor([[1, 1, 0], [1, 0, 0]]), 0.1)
     tensor([-0.0750, -0.0100])
     """
-    check_ndim(kl_values, "kl_values", 2)
-    check_same_shape(mask, "mask", kl_values, "kl_values")
+    check_shapes(2, kl_values=kl_values, mask=mask)
     if not coef >= 0:
         raise ValueError(f"coef must be >= 0, got {coef}")
     return -coef * (kl_values.detach() * mask.to(kl_values.dtype)).sum(dim=1)
@@ -193,9 +190,7 @@ def distill_advantages(teacher_logprobs: Tensor, student_logprobs: Tensor, mask:
     ...                    torch.tensor([[1, 1, 0]]), 2.0)
     tensor([[ 1., -2.,  0.]])
     """
-    check_ndim(teacher_logprobs, "teacher_logprobs", 2)
-    check_same_shape(student_logprobs, "student_logprobs", teacher_logprobs, "teacher_logprobs")
-    check_same_shape(mask, "mask", teacher_logprobs, "teacher_logprobs")
+    check_shapes(2, teacher_logprobs=teacher_logprobs, student_logprobs=student_logprobs, mask=mask)
     return (coef * (teacher_logprobs - student_logprobs)).masked_fill(mask == 0, 0.0)
 
 
@@ -302,8 +297,7 @@ def compute_advantages(estimator: str, rewards: Tensor, token_shaping: Tensor, m
     """
     check_choice(estimator, "advantage estimator", tuple(ESTIMATORS))
     _check_returns(rewards, group_size, token_shaping, mask)
-    if weights is not None:
-        check_same_shape(weights, "weights", rewards, "rewards")
+    check_shapes(1, rewards=rewards, weights=weights)
     entry = ESTIMATORS[estimator]
     if not entry.token_returns and bool((token_shaping != 0).any()):
         shaped = [name for name, other in ESTIMATORS.items() if other.token_returns]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from grpo.advantages import check_choice, check_ndim, check_same_shape
+from grpo.advantages import check_choice, check_shapes
 from grpo.config import KL_KINDS, AlgorithmConfig
 
 LOG_RATIO_LIMIT = 20.0  # exp(20) ~ 5e8: large enough never to bind on sane data, small enough to stay finite
@@ -61,7 +61,7 @@ def loss_denominator(mask: Tensor, agg: str) -> Tensor:
     >>> loss_denominator(torch.tensor([[1, 1, 0], [0, 0, 0]]), "seq-mean-token-mean")
     tensor(1.)
     """
-    check_ndim(mask, "mask", 2)
+    check_shapes(2, mask=mask)
     return AGGREGATION[agg].count(mask)
 
 
@@ -69,8 +69,7 @@ def aggregate(values: Tensor, mask: Tensor, agg: str = "token-mean", *, denomina
               max_len: int | None = None) -> Tensor:
     """Reduce per-token values [B, T] to a scalar as AGGREGATION[agg] says, dividing by `denominator` (None: the
     local count of loss_denominator). A count of 0 is taken as 1, so an all-padding batch gives 0, never NaN."""
-    check_ndim(values, "values", 2)
-    check_same_shape(values, "values", mask, "mask")
+    check_shapes(2, values=values, mask=mask)
     entry = AGGREGATION[agg]
     if entry.per_max_len and (max_len is None or max_len < 1):
         raise ValueError(f"agg {agg!r} needs max_len >= 1 (the constant length), got {max_len}")
@@ -139,9 +138,7 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     s_i (sequence_log_ratio) on every token of sequence i, so a whole sequence is clipped or not; its clip ranges
     are small (the GSPO paper: 3e-4 / 4e-4), since a mean of log-ratios moves far less than one token's.
     Returns (loss, detached metrics): clip_frac_* (where each bound binds), approx_kl, ratio_mean, ratio_max."""
-    check_ndim(logprobs, "logprobs", 2)
-    check_same_shape(old_logprobs, "old_logprobs", logprobs, "logprobs")
-    check_same_shape(mask, "mask", logprobs, "logprobs")
+    check_shapes(2, logprobs=logprobs, old_logprobs=old_logprobs, mask=mask, is_weights=is_weights)
     if advantages.shape not in (logprobs.shape[:1], logprobs.shape):  # [B] (one per sequence) or [B, T]
         raise ValueError(f"advantages has shape {tuple(advantages.shape)} but logprobs has shape "
                          f"{tuple(logprobs.shape)}")
@@ -154,7 +151,6 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     ratio = torch.exp(log_ratio)
     token_loss, upper, lower, dual = _TOKEN_LOSSES[algo.policy_loss](logprobs, ratio, advantages, algo)
     if is_weights is not None:
-        check_same_shape(is_weights, "is_weights", logprobs, "logprobs")
         token_loss = token_loss * is_weights.detach()
     loss = aggregate(token_loss, mask, algo.agg, denominator=denominator, max_len=max_len)
 
@@ -219,8 +215,7 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3") -> Tens
     """Per-token estimate [B, T] of KL(policy || reference) from sampled tokens (Schulman's k1/k2/k3): with
     d = logprobs - ref_logprobs clamped to +-20, k1 = d, abs = |d|, k2 = d^2 / 2, k3 = exp(-d) + d - 1 clamped to
     <= 10 (unbiased and always >= 0)."""
-    check_ndim(logprobs, "logprobs", 2)
-    check_same_shape(ref_logprobs, "ref_logprobs", logprobs, "logprobs")
+    check_shapes(2, logprobs=logprobs, ref_logprobs=ref_logprobs)
     check_choice(kind, "kind", KL_KINDS)
     log_ratio = (logprobs - ref_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     if kind == "k1":
@@ -237,13 +232,11 @@ def truncated_is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, cap: fl
     """Truncated importance weights [B, T] min(exp(old - rollout), cap), no gradient, for the mismatch between the
     trainer's old logprobs and the engine's of the same sampled tokens. level "sequence": exp of the masked sum of
     log-ratios per sequence (needs `mask` [B, T]), broadcast over its tokens."""
-    check_ndim(old_logprobs, "old_logprobs", 2)
-    check_same_shape(rollout_logprobs, "rollout_logprobs", old_logprobs, "old_logprobs")
+    check_shapes(2, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs, mask=mask)
     with torch.no_grad():
         log_ratio = old_logprobs - rollout_logprobs
         if level == "sequence":
             if mask is None:
                 raise ValueError("truncated_is_weights(level='sequence') needs mask [B, T]")
-            check_same_shape(mask, "mask", old_logprobs, "old_logprobs")
             log_ratio = (log_ratio * mask.to(log_ratio.dtype)).sum(dim=1, keepdim=True).expand_as(log_ratio)
         return torch.exp(log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)).clamp(max=cap)
