@@ -10,6 +10,7 @@ The trainer adds sentence_coef * r_sent to those sentences' tokens (docs/convent
 an order of magnitude below the judge."""
 from __future__ import annotations
 
+import functools
 import os
 import re
 import unicodedata
@@ -27,10 +28,9 @@ FORMAT_GOOD, FORMAT_BAD = 1.0, -1.0
 # (smallest count, reward) from the highest threshold down; no triple or query: 0.
 COUNT_REWARDS = ((20, 0.1), (5, 0.0), (1, -0.1), (0, -0.3))
 MAX_SENTENCES = 64  # a runaway completion is scored on its first sentences only (query cost is per sentence)
-REFUSALS = frozenset({"i dont know", "i do not know", "dont know", "do not know", "unknown", "not sure",
-                      "im not sure", "i am not sure", "no idea", "i have no idea", "cannot answer",
+REFUSALS = frozenset({"dont know", "do not know", "unknown", "not sure", "no idea", "i have no idea", "cannot answer",
                       "i cannot answer", "i cant answer", "cannot be determined", "no answer"})
-_REFUSAL_PREFIXES = ("i dont know", "i do not know", "im not sure", "i am not sure")
+_REFUSAL_PREFIXES = ("i dont know", "i do not know", "im not sure", "i am not sure")  # also refusals on their own
 _NOT_WORD = re.compile(r"[^\w\s]|_")
 _ARTICLES = re.compile(r"\b(?:a|an|the)\b")
 ALIAS_KEYS = ("aliases", "answers", "answer", "target")
@@ -124,7 +124,9 @@ def make_factqa_reward(counter: CooccurrenceCounter, extractor=None) -> Callable
     return factqa_reward
 
 
-_REWARDS_BY_INDEX: dict[str, Callable[..., dict]] = {}
+@functools.cache
+def _reward_for_index(path: str) -> Callable[..., dict]:
+    return make_factqa_reward(CorpusIndex(path))
 
 
 def factqa_corpus_reward(data_source: str, solution_str: str, ground_truth: object,
@@ -136,7 +138,4 @@ def factqa_corpus_reward(data_source: str, solution_str: str, ground_truth: obje
         raise ValueError(f"reward 'factqa_corpus' needs a corpus index: set {INDEX_ENV}=DIR or extra_info"
                          "['corpus_index'] (build one with: python -m rewards.corpus build --input corpus.jsonl "
                          "--out DIR), or register make_factqa_reward(counter) under your own name")
-    reward = _REWARDS_BY_INDEX.get(str(path))
-    if reward is None:
-        reward = _REWARDS_BY_INDEX[str(path)] = make_factqa_reward(CorpusIndex(path))
-    return reward(data_source, solution_str, ground_truth, extra_info)
+    return _reward_for_index(str(path))(data_source, solution_str, ground_truth, extra_info)
