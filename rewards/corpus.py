@@ -144,8 +144,6 @@ def build_index(input_path: str | os.PathLike, out_dir: str | os.PathLike, *, te
     """Build a corpus index from a jsonl file into out_dir (created, or empty) and return its path. encode_fn:
     None for the WordTokenizer fitted on the corpus, else any tokenizer's encode (ids >= 0)."""
     input_path, out_dir = Path(input_path), Path(out_dir)
-    if not input_path.is_file():
-        raise FileNotFoundError(f"corpus file {input_path} does not exist")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ValueError(f"index directory {out_dir} exists and is not empty; choose a new --out")
     if encode_fn is None:
