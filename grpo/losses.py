@@ -178,8 +178,7 @@ def rl_loss(algo: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, advan
     device. Returns (loss with gradient, metrics as floats: policy_loss's and those of each term given)."""
     device = logprobs.device
     old_logprobs, advantages, mask = (t.to(device) for t in (old_logprobs, advantages, mask))
-    if rollout_logprobs is not None:
-        rollout_logprobs = rollout_logprobs.to(device)
+    rollout_logprobs = None if rollout_logprobs is None else rollout_logprobs.to(device)
     is_weights = None
     if algo.tis_cap is not None:  # rollout/trainer mismatch (vLLM bf16 vs trainer fp32): truncated IS
         if rollout_logprobs is None:
