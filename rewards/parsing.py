@@ -4,6 +4,7 @@ Every function is total on strings (no input raises) and linear in the text leng
 over the whole text), since completions can be megabytes of junk."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -120,8 +121,6 @@ def load_ground_truth(ground_truth: object) -> object:
                          f"{type(ground_truth).__name__}")
     stripped = ground_truth.strip()
     if stripped[:1] in ("{", "["):
-        try:
+        with contextlib.suppress(json.JSONDecodeError):  # else a plain answer that happens to start with a bracket
             return json.loads(stripped)
-        except json.JSONDecodeError:
-            pass  # not JSON after all: a plain answer that happens to start with a bracket
     return ground_truth
