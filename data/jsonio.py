@@ -1,20 +1,17 @@
-"""Careful JSON input and atomic output: a bad record is reported by its file and line, and a failed write
-leaves no half-written file behind (converters read all their input before writing anything)."""
+"""Careful JSON input and atomic output: a bad record is reported by its file and line (or array element), and a
+failed write leaves no half-written file behind (converters read all their input before writing anything)."""
 from __future__ import annotations
 
-import bisect
 import contextlib
 import functools
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 # Far above any prompt a model here can take (~1M tokens of text): a longer line is a corrupt or wrong file.
 MAX_LINE_BYTES = 4 * 1024 * 1024
-_SPACE = re.compile(r"[ \t\r\n]*")  # JSON's whitespace
 
 
 def _clip(text: str) -> str:
@@ -77,44 +74,23 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
         raise ValueError(f"{path}: the file has no records (only blank lines)")
 
 
-def read_json_array(path: str | Path) -> list[tuple[int, dict]]:
-    """`(line_number, object)` per element of a file holding one JSON array of objects: the line where the
-    element starts (the array is decoded one element at a time), so a bad record is reported by its line."""
+def read_json_array(path: str | Path) -> list[tuple[str, dict]]:
+    """`(where, object)` per element of a file holding one non-empty JSON array of objects; `where` is
+    "FILE element N" (1-based), as read_rows names a Parquet row: a bad record is reported by its place."""
     path = Path(path)
     check_file(path)
-    lines = path.read_bytes().split(b"\n")  # decoded by line to report binary junk by line, as iter_jsonl does
-    text = "\n".join(_decode(raw, path, number) for number, raw in enumerate(lines, start=1)).removeprefix("\ufeff")
-    newlines = [match.start() for match in re.finditer("\n", text)]
-
-    def line_of(position: int) -> int:
-        return bisect.bisect_left(newlines, position) + 1  # the newlines before `position`, plus one
-
-    position = _SPACE.match(text).end()
-    if position == len(text):
-        raise ValueError(f"{path}: the file is empty (only whitespace)")
-    if text[position] != "[":
-        raise ValueError(f"{path}:{line_of(position)}: expected a JSON array starting with '[', got "
-                         f"{_clip(text[position:].strip())!r}")
-    position = _SPACE.match(text, position + 1).end()
-    if text.startswith("]", position):
-        raise ValueError(f"{path}: the JSON array is empty")
-    records: list[tuple[int, dict]] = []
-    separator = ","
-    while separator == ",":
-        try:
-            element, end = json.JSONDecoder().raw_decode(text, position)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{error.lineno}: invalid JSON ({error.msg} at column {error.colno})") from None
+    try:
+        array = json.loads(path.read_bytes())  # from bytes: UTF-8, with or without a byte-order mark
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}:{error.lineno}: invalid JSON ({error.msg} at column {error.colno})") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text (byte {error.start}); is this a binary file?") from None
+    if not isinstance(array, list) or not array:
+        raise ValueError(f"{path}: expected a non-empty JSON array of objects, got {describe(array)}")
+    records = [(f"{path} element {number}", element) for number, element in enumerate(array, start=1)]
+    for where, element in records:
         if not isinstance(element, dict):
-            raise ValueError(f"{path}:{line_of(position)}: expected a JSON object, got {type(element).__name__}")
-        records.append((line_of(position), element))
-        position = _SPACE.match(text, end).end()
-        separator = text[position:position + 1]
-        if separator not in (",", "]"):
-            raise ValueError(f"{path}:{line_of(position)}: expected ',' or ']' after an array element")
-        position = _SPACE.match(text, position + 1).end()
-    if position != len(text):
-        raise ValueError(f"{path}:{line_of(position)}: extra data after the JSON array")
+            raise ValueError(f"{where}: expected a JSON object, got {type(element).__name__}")
     return records
 
 

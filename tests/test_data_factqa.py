@@ -50,14 +50,14 @@ def test_alias_and_curriculum_formats(tmp_path):
 @pytest.mark.parametrize(
     "record, message",
     [
-        ({"answer": "x", "aliases": ["x"]}, ":3: missing field 'question'"),
-        ({"question": "q?"}, ":3: missing field 'aliases'"),
-        ({"question": "q?", "answer": "x", "aliases": "x"}, ":3: field 'aliases' must be list"),
-        ({"question": "q?", "answer": "", "aliases": [" "]}, ":3: no non-empty answer alias"),
-        ({"question": " ", "answers": "x"}, ":3: field 'question' is empty"),
+        ({"answer": "x", "aliases": ["x"]}, "qa.json element 2: missing field 'question'"),
+        ({"question": "q?"}, "qa.json element 2: missing field 'aliases'"),
+        ({"question": "q?", "answer": "x", "aliases": "x"}, "qa.json element 2: field 'aliases' must be list"),
+        ({"question": "q?", "answer": "", "aliases": [" "]}, "qa.json element 2: no non-empty answer alias"),
+        ({"question": " ", "answers": "x"}, "qa.json element 2: field 'question' is empty"),
     ],
 )
-def test_bad_records_name_the_line(tmp_path, record, message):
+def test_bad_records_name_the_element(tmp_path, record, message):
     path = tmp_path / "qa.json"
     path.write_text("[\n" + json.dumps({"question": "ok?", "answer": "a", "aliases": []}) + ",\n" + json.dumps(record) + "\n]")
     with pytest.raises(ValueError, match=message):

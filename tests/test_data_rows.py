@@ -156,18 +156,22 @@ def test_atomic_write_leaves_no_temporary_file(tmp_path):
     assert [p.name for p in (tmp_path / "sub").iterdir()] == ["out.txt"]
 
 
-def test_json_array_reports_the_line_of_each_record(tmp_path):
+def test_json_array_reports_the_element_of_each_record(tmp_path):
     path = tmp_path / "qa.json"
     path.write_text('[\n  {"q": 1},\n  {"q": 2,\n   "r": 3},\n  {"q": 4}\n]\n')
-    assert read_json_array(path) == [(2, {"q": 1}), (3, {"q": 2, "r": 3}), (5, {"q": 4})]
+    assert read_json_array(path) == [(f"{path} element 1", {"q": 1}), (f"{path} element 2", {"q": 2, "r": 3}),
+                                     (f"{path} element 3", {"q": 4})]
     for text, message in [
-        ('[\n {"q": 1},\n 7\n]', ":3: expected a JSON object, got int"),
-        ('[\n {"q": 1}\n {"q": 2}\n]', ":3: expected ',' or ']'"),
-        ('[\n {"q": 1},\n {"q": }\n]', ":3: invalid JSON"),
-        ('{"q": 1}', ":1: expected a JSON array"),
-        ("[ ]", "the JSON array is empty"),
-        ('[{"q": 1}] extra', "extra data after the JSON array"),
+        ('[\n {"q": 1},\n 7\n]', "qa.json element 2: expected a JSON object, got int"),
+        ('[\n {"q": 1}\n {"q": 2}\n]', "qa.json:3: invalid JSON \\(Expecting ','"),
+        ('[\n {"q": 1},\n {"q": }\n]', "qa.json:3: invalid JSON"),
+        ('{"q": 1}', "qa.json: expected a non-empty JSON array of objects, got dict"),
+        ("[ ]", "qa.json: expected a non-empty JSON array of objects, got list"),
+        ('[{"q": 1}] extra', "qa.json:1: invalid JSON \\(Extra data"),
+        (b"\xef\xbb\xbf\xff\xfe junk", "qa.json: not UTF-8 text"),
     ]:
-        path.write_text(text)
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
         with pytest.raises(ValueError, match=message):
             read_json_array(path)
+    path.write_bytes(b'\xef\xbb\xbf[{"q": 1}]')  # a byte-order mark, as some Windows editors write
+    assert read_json_array(path) == [(f"{path} element 1", {"q": 1})]
