@@ -40,11 +40,7 @@ def convert_factqa(path: str | Path, *, split: str = "train", start_index: int =
     path = Path(path)
     dataset = DATASET_NAMES.get(path.stem, path.stem)
     rows = []
-    if path.suffix == ".json":
-        records = read_json_array(path)
-    else:
-        records = [(f"{path}:{line_number}", record) for line_number, record in iter_jsonl(path)]
-    for where, record in records:
+    for where, record in read_json_array(path) if path.suffix == ".json" else list(iter_jsonl(path)):
         question = require(record, "question", str, where)
         if not question.strip():
             raise ValueError(f"{where}: field 'question' is empty")

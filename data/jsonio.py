@@ -45,9 +45,10 @@ def _decode(raw: bytes, path: Path, line_number: int) -> str:
                          f"{raw[error.start]:#04x}); is this a binary file?") from None
 
 
-def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
-    """`(line_number, object)` for each non-blank line of a JSONL file (1-based); ValueError naming the file and
-    line for an empty or blank file, binary junk, a line over MAX_LINE_BYTES, invalid JSON or a non-object."""
+def iter_jsonl(path: str | Path) -> Iterator[tuple[str, dict]]:
+    """`(where, object)` for each non-blank line of a JSONL file, `where` being "FILE:LINE" (1-based); ValueError
+    naming the file and line for an empty or blank file, binary junk, a line over MAX_LINE_BYTES, invalid JSON or
+    a non-object."""
     path = Path(path)
     check_file(path)
     seen_any = False
@@ -69,7 +70,7 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{line_number}: expected a JSON object, got {type(record).__name__}")
             seen_any = True
-            yield line_number, record
+            yield f"{path}:{line_number}", record
     if not seen_any:
         raise ValueError(f"{path}: the file has no records (only blank lines)")
 

@@ -86,7 +86,7 @@ def numbered_rows(path: str | Path) -> list[tuple[str, dict]]:
     """read_rows with each row's place, "file:line" (JSONL) or "file row N" (Parquet), for later messages."""
     path = Path(path)
     if _format_of(path) == "jsonl":
-        numbered = [(f"{path}:{line_number}", row) for line_number, row in iter_jsonl(path)]
+        numbered = list(iter_jsonl(path))
     else:
         check_file(path)
         try:

@@ -71,16 +71,15 @@ def evidence_row(claim: str, title: str, sentences: list[str], label: str, evide
 def load_corpus(path: str | Path) -> dict[int, dict]:
     """`{doc_id: {"title": str, "abstract": [sentence, ...]}}` from `corpus.jsonl`; duplicate ids are errors."""
     corpus: dict[int, dict] = {}
-    for line_number, record in iter_jsonl(path):
-        where = f"{path}:{line_number}"
+    for where, record in iter_jsonl(path):
         doc_id = require(record, "doc_id", int, where)
         title = require(record, "title", str, where)
         abstract = require(record, "abstract", list, where)
         if not abstract or not all(isinstance(sentence, str) for sentence in abstract):
             raise ValueError(f"{where}: field 'abstract' of doc_id {doc_id} must be a non-empty list of strings")
         if doc_id in corpus:
-            raise ValueError(f"{where}: duplicate doc_id {doc_id} (first seen at line {corpus[doc_id]['line']})")
-        corpus[doc_id] = {"title": title, "abstract": abstract, "line": line_number}
+            raise ValueError(f"{where}: duplicate doc_id {doc_id} (first seen at {corpus[doc_id]['where']})")
+        corpus[doc_id] = {"title": title, "abstract": abstract, "where": where}
     return corpus
 
 
@@ -123,13 +122,12 @@ def convert_claims(claims_path: str | Path, corpus: dict[int, dict], split: str)
                          "hides them), so they cannot be used for training or evaluation; use claims_train.jsonl and "
                          "claims_dev.jsonl")
     rows: list[dict] = []
-    first_line: dict[int, int] = {}
-    for line_number, record in records:
-        where = f"{claims_path}:{line_number}"
+    first_seen: dict[int, str] = {}
+    for where, record in records:
         claim_id = require(record, "id", int, where)
-        if claim_id in first_line:
-            raise ValueError(f"{where}: duplicate claim id {claim_id} (first seen at line {first_line[claim_id]})")
-        first_line[claim_id] = line_number
+        if claim_id in first_seen:
+            raise ValueError(f"{where}: duplicate claim id {claim_id} (first seen at {first_seen[claim_id]})")
+        first_seen[claim_id] = where
         claim = require(record, "claim", str, where)
         doc_id, label, indices = _choose_evidence(record, where)
         if doc_id not in corpus:

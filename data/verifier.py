@@ -27,8 +27,7 @@ def convert_verifier(path: str | Path, template: str | None = None, *, split: st
     """One row per input line; the whole file is checked before anything is returned."""
     path = Path(path)
     rows = []
-    for line_number, record in iter_jsonl(path):
-        where = f"{path}:{line_number}"
+    for where, record in iter_jsonl(path):
         question = require(record, "question", str, where)
         gold_answer = require(record, "gold_answer", str, where)
         llm_response = require(record, "llm_response", str, where)

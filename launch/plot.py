@@ -44,9 +44,9 @@ def read_metrics(path: Path) -> list[dict]:
     if path.stat().st_size == 0:
         return []
     records = []
-    for line_number, record in iter_jsonl(path):
+    for where, record in iter_jsonl(path):
         if not isinstance(record.get("step"), int):
-            raise ValueError(f"{path}:{line_number}: expected an object with an integer 'step'")
+            raise ValueError(f"{where}: expected an object with an integer 'step'")
         records.append(record)
     return records
 

@@ -85,7 +85,7 @@ GOOD = {"id": 1, "claim": "C.", "evidence": {"1": [{"sentences": [0], "label": "
          r"claims_train.jsonl:2: claim id 7: evidence sentence index 2 is out of range for doc_id 1, whose abstract has 2 sentences"),
         ([{**GOOD, "id": 9, "evidence": {}, "cited_doc_ids": [44]}], None,
          r"claims_train.jsonl:1: claim id 9 cites doc_id 44, which is not in the corpus"),
-        ([GOOD, GOOD], None, r"claims_train.jsonl:2: duplicate claim id 1 \(first seen at line 1\)"),
+        ([GOOD, GOOD], None, r"claims_train.jsonl:2: duplicate claim id 1 \(first seen at .*claims_train.jsonl:1\)"),
         ([GOOD], [{"doc_id": 1, "title": "T", "abstract": ["s."]}, {"doc_id": 1, "title": "U", "abstract": ["t."]}],
          r"corpus.jsonl:2: duplicate doc_id 1"),
         ([{**GOOD, "claim": 3}], None, r"claims_train.jsonl:1: field 'claim' must be str"),
