@@ -34,43 +34,37 @@ def check_file(path: Path) -> None:
         raise ValueError(f"{path}: the file is empty")
 
 
-def _decode(raw: bytes, path: Path, line_number: int) -> str:
-    """Bytes of one line to text; binary junk (NUL bytes, invalid UTF-8) fails naming the line."""
-    if b"\x00" in raw:
-        raise ValueError(f"{path}:{line_number}: binary data (NUL byte) where JSON text was expected")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{path}:{line_number}: not UTF-8 text (byte {error.start} of the line is "
-                         f"{raw[error.start]:#04x}); is this a binary file?") from None
-
-
 def iter_jsonl(path: str | Path) -> Iterator[tuple[str, dict]]:
     """`(where, object)` for each non-blank line of a JSONL file, `where` being "FILE:LINE" (1-based); ValueError
-    naming the file and line for an empty or blank file, binary junk, a line over MAX_LINE_BYTES, invalid JSON or
-    a non-object."""
+    naming the file and line for an empty or blank file, binary junk (NUL bytes, invalid UTF-8), a line over
+    MAX_LINE_BYTES, invalid JSON or a non-object."""
     path = Path(path)
     check_file(path)
     seen_any = False
     with open(path, "rb") as handle:
         for line_number, raw in enumerate(handle, start=1):
+            where = f"{path}:{line_number}"
             if len(raw) > MAX_LINE_BYTES:
-                raise ValueError(f"{path}:{line_number}: line is {len(raw):,} bytes, over the limit of "
-                                 f"{MAX_LINE_BYTES:,} (corrupt file, or not JSONL?)")
-            text = _decode(raw, path, line_number)
-            if line_number == 1:
-                text = text.removeprefix("\ufeff")  # a UTF-8 byte-order mark, as some Windows editors write
+                raise ValueError(f"{where}: line is {len(raw):,} bytes, over the limit of {MAX_LINE_BYTES:,} "
+                                 "(corrupt file, or not JSONL?)")
+            if b"\x00" in raw:
+                raise ValueError(f"{where}: binary data (NUL byte) where JSON text was expected")
+            try:
+                text = raw.decode("utf-8-sig")  # -sig: drops a byte-order mark, as some Windows editors write
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{where}: not UTF-8 text (byte {error.start} of the line is "
+                                 f"{raw[error.start]:#04x}); is this a binary file?") from None
             if not text.strip():
                 continue
             try:
                 record = json.loads(text)
             except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{line_number}: invalid JSON ({error.msg} at column {error.colno}): "
+                raise ValueError(f"{where}: invalid JSON ({error.msg} at column {error.colno}): "
                                  f"{_clip(text.strip())!r}") from None
             if not isinstance(record, dict):
-                raise ValueError(f"{path}:{line_number}: expected a JSON object, got {type(record).__name__}")
+                raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
             seen_any = True
-            yield f"{path}:{line_number}", record
+            yield where, record
     if not seen_any:
         raise ValueError(f"{path}: the file has no records (only blank lines)")
 

@@ -118,6 +118,12 @@ def test_bad_jsonl_files(tmp_path, content, message):
         read_rows(path)
 
 
+def test_jsonl_byte_order_mark_is_dropped(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + GOOD_LINE)
+    assert read_rows(path) == sample_rows()[:1]
+
+
 def test_ten_megabyte_line_fails_with_a_short_message(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text('{"prompt": "' + "x" * (10 * 1024 * 1024) + '"}\n')
