@@ -50,15 +50,12 @@ def self_filter(rows: list[dict], generate_fn: GenerateFn, judge_fn: JudgeFn, *,
     for start in range(0, len(rows), batch_size):
         batch = rows[start : start + batch_size]
         completions = generate_fn([render(row["prompt"]) for row in batch], group_size)
-        if not isinstance(completions, list) or len(completions) != len(batch):
-            raise ValueError(f"generate_fn returned {_size(completions)} for {len(batch)} prompts; expected one list "
-                             "per prompt")
-        for offset, (row, texts) in enumerate(zip(batch, completions)):
-            if not isinstance(texts, list) or len(texts) != group_size or not all(isinstance(t, str) for t in texts):
-                raise ValueError(f"generate_fn returned {_size(texts)} for row {start + offset}; expected "
-                                 f"{group_size} strings")
-            ground_truth = row["reward_model"]["ground_truth"]
-            correct_counts.append(sum(bool(judge_fn(text, ground_truth)) for text in texts))
+        sizes = [len(texts) for texts in completions]
+        if sizes != [group_size] * len(batch):  # zip would silently drop a missing prompt or completion
+            raise ValueError(f"generate_fn returned {sizes} completions for the {len(batch)} prompts from row {start}; "
+                             f"expected {group_size} each")
+        for row, texts in zip(batch, completions):
+            correct_counts.append(sum(bool(judge_fn(text, row["reward_model"]["ground_truth"])) for text in texts))
 
     in_zone = {i for i, k in enumerate(correct_counts) if min_correct <= k <= max_correct}
     always_right = sorted(i for i, k in enumerate(correct_counts) if k == group_size and i not in in_zone)
@@ -75,15 +72,9 @@ def self_filter(rows: list[dict], generate_fn: GenerateFn, judge_fn: JudgeFn, *,
     return kept, stats
 
 
-def _size(value) -> str:
-    return f"{len(value)} items" if isinstance(value, list) else f"a {type(value).__name__}"
-
-
-def load_judge(spec: str | None) -> JudgeFn:
-    """The judge named `module:function`: correct when it returns True or a number > 0 (rewards.factqa.judge)."""
-    if not spec:
-        raise ValueError("no judge given: pass --judge module:function, a function (completion_text, ground_truth) "
-                         "-> bool such as the factual-QA string-match judge of the rewards package")
+def load_judge(spec: str) -> JudgeFn:
+    """The judge named `module:function`, a function (completion_text, ground_truth) -> bool or a number: correct
+    when it returns True or a number > 0 (rewards.factqa.judge, the factual-QA string-match judge)."""
     module_name, _, function_name = spec.partition(":")
     if not module_name or not function_name:
         raise ValueError(f"--judge {spec!r} must look like module:function")
