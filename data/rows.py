@@ -38,15 +38,10 @@ def validate_row(row: Any, where: str) -> None:
     if not isinstance(prompt, list) or not prompt:
         raise ValueError(f"{where}: field 'prompt' must be a non-empty list of messages, got {describe(prompt)}")
     for position, message in enumerate(prompt):
-        field = f"prompt[{position}]"
-        if not isinstance(message, dict):
-            raise ValueError(f"{where}: field {field} must be an object with 'role' and 'content', "
-                             f"got {describe(message)}")
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                raise ValueError(f"{where}: field {field}.{key} must be a string, got {describe(message.get(key))}")
-        if message["role"] not in ROLES:
-            raise ValueError(f"{where}: field {field}.role is {message['role']!r}; expected one of {ROLES}")
+        if not isinstance(message, dict) or message.get("role") not in ROLES or not isinstance(
+                message.get("content"), str):
+            raise ValueError(f"{where}: field prompt[{position}] must be an object with 'role' (one of {ROLES}) and "
+                             f"'content' (a string), got {describe(message)}")
     for key in ("data_source", "ability"):  # verl rows always carry an ability, but nothing here needs it
         if (key in row or key == "data_source") and (not isinstance(row.get(key), str) or not row[key]):
             raise ValueError(f"{where}: field {key!r} must be a non-empty string, got {describe(row.get(key))}")

@@ -70,8 +70,8 @@ def test_any_json_ground_truth_loads_as_in_verl(tmp_path):
     [
         ({"data_source": "x", "reward_model": {"ground_truth": "1"}}, "missing field 'prompt'"),
         ({"prompt": [], "data_source": "x", "reward_model": {"ground_truth": "1"}}, "field 'prompt' must be a non-empty list"),
-        ({"prompt": [{"role": "user"}], "data_source": "x", "reward_model": {"ground_truth": "1"}}, "prompt[0].content must be a string"),
-        ({"prompt": [{"role": "robot", "content": "hi"}], "data_source": "x", "reward_model": {"ground_truth": "1"}}, "prompt[0].role is 'robot'"),
+        ({"prompt": [{"role": "user"}], "data_source": "x", "reward_model": {"ground_truth": "1"}}, "prompt[0] must be an object with 'role'"),
+        ({"prompt": [{"role": "robot", "content": "hi"}], "data_source": "x", "reward_model": {"ground_truth": "1"}}, "(one of ('system', 'user', 'assistant', 'tool')) and 'content' (a string), got dict {'role': 'robot'"),
         ({"prompt": [{"role": "user", "content": "hi"}], "reward_model": {"ground_truth": "1"}}, "field 'data_source'"),
         ({"prompt": [{"role": "user", "content": "hi"}], "data_source": "x"}, "field 'reward_model'"),
         ({"prompt": [{"role": "user", "content": "hi"}], "data_source": "x", "reward_model": {"answer": 4}}, "reward_model.ground_truth' is missing"),
