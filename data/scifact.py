@@ -10,7 +10,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from data.jsonio import exit_on_bad_input, iter_jsonl, require
+from data.jsonio import describe, exit_on_bad_input, iter_jsonl, require
 from data.rows import make_row, write_rows
 from rewards.scifact import LABELS
 
@@ -93,24 +93,12 @@ def _choose_evidence(record: dict, where: str) -> tuple[int, str, list[int]]:
             raise ValueError(f"{where}: claim id {claim_id} has no evidence and no integer 'cited_doc_ids'")
         return cited[0], "NOT_ENOUGH_INFO", []
     doc_key, rationales = next(iter(evidence.items()))
-    try:
-        doc_id = int(doc_key)
-    except ValueError:
-        raise ValueError(f"{where}: claim id {claim_id}: evidence key {doc_key!r} is not a document id") from None
-    if not isinstance(rationales, list) or not rationales or not isinstance(rationales[0], dict):
+    try:  # the sentence indices are checked against the document by evidence_row
+        return int(doc_key), LABEL_NAMES[rationales[0]["label"]], list(rationales[0]["sentences"])
+    except (LookupError, TypeError, ValueError):
         raise ValueError(f"{where}: claim id {claim_id}: field 'evidence.{doc_key}' must be a non-empty list of "
-                         "rationales")
-    rationale = rationales[0]
-    label = rationale.get("label")
-    if label not in LABEL_NAMES:
-        raise ValueError(f"{where}: claim id {claim_id}: field 'evidence.{doc_key}[0].label' is {label!r}; "
-                         "expected SUPPORT or CONTRADICT")
-    sentences = rationale.get("sentences")
-    if not isinstance(sentences, list) or not sentences or not all(
-            isinstance(index, int) and not isinstance(index, bool) for index in sentences):
-        raise ValueError(f"{where}: claim id {claim_id}: field 'evidence.{doc_key}[0].sentences' must be a "
-                         "non-empty list of integers")
-    return doc_id, LABEL_NAMES[label], sentences
+                         "rationales {'label': SUPPORT or CONTRADICT, 'sentences': [index, ...]} under a doc_id, "
+                         f"got {describe(rationales)}") from None
 
 
 def convert_claims(claims_path: str | Path, corpus: dict[int, dict], split: str) -> list[dict]:
@@ -133,12 +121,11 @@ def convert_claims(claims_path: str | Path, corpus: dict[int, dict], split: str)
         if doc_id not in corpus:
             raise ValueError(f"{where}: claim id {claim_id} cites doc_id {doc_id}, which is not in the corpus")
         document = corpus[doc_id]
-        for index in indices:
-            if not 0 <= index < len(document["abstract"]):
-                raise ValueError(f"{where}: claim id {claim_id}: evidence sentence index {index} is out of range for "
-                                 f"doc_id {doc_id}, whose abstract has {len(document['abstract'])} sentences")
-        rows.append(evidence_row(claim, document["title"], document["abstract"], label, indices, index=len(rows),
-                                 split=split, claim_id=claim_id, doc_id=doc_id))
+        try:
+            rows.append(evidence_row(claim, document["title"], document["abstract"], label, indices, index=len(rows),
+                                     split=split, claim_id=claim_id, doc_id=doc_id))
+        except ValueError as error:  # the rationale's sentence indices do not fit the document
+            raise ValueError(f"{where}: claim id {claim_id}, doc_id {doc_id}: {error}") from None
     return rows
 
 

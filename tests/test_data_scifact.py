@@ -82,7 +82,7 @@ GOOD = {"id": 1, "claim": "C.", "evidence": {"1": [{"sentences": [0], "label": "
     "claims, corpus, message",
     [
         ([GOOD, {**GOOD, "id": 7, "evidence": {"1": [{"sentences": [2], "label": "SUPPORT"}]}}], None,
-         r"claims_train.jsonl:2: claim id 7: evidence sentence index 2 is out of range for doc_id 1, whose abstract has 2 sentences"),
+         r"claims_train.jsonl:2: claim id 7, doc_id 1: evidence index 2 is out of range for 2 sentences"),
         ([{**GOOD, "id": 9, "evidence": {}, "cited_doc_ids": [44]}], None,
          r"claims_train.jsonl:1: claim id 9 cites doc_id 44, which is not in the corpus"),
         ([GOOD, GOOD], None, r"claims_train.jsonl:2: duplicate claim id 1 \(first seen at .*claims_train.jsonl:1\)"),
@@ -90,7 +90,11 @@ GOOD = {"id": 1, "claim": "C.", "evidence": {"1": [{"sentences": [0], "label": "
          r"corpus.jsonl:2: duplicate doc_id 1"),
         ([{**GOOD, "claim": 3}], None, r"claims_train.jsonl:1: field 'claim' must be str"),
         ([{k: v for k, v in GOOD.items() if k != "id"}], None, r"claims_train.jsonl:1: missing field 'id'"),
-        ([{**GOOD, "evidence": {"1": [{"sentences": [0], "label": "MAYBE"}]}}], None, r"label' is 'MAYBE'"),
+        ([{**GOOD, "evidence": {"1": [{"sentences": [0], "label": "MAYBE"}]}}], None,
+         r"claims_train.jsonl:1: claim id 1: field 'evidence.1' must be .*, got list .*'label': 'MAYBE'"),
+        ([{**GOOD, "evidence": {"x": [{"sentences": [0], "label": "SUPPORT"}]}}], None, r"field 'evidence.x' must be"),
+        ([{**GOOD, "evidence": {"1": [{"sentences": ["0"], "label": "SUPPORT"}]}}], None,
+         r"claims_train.jsonl:1: claim id 1, doc_id 1: evidence index '0' is out of range"),
         ([GOOD], [{"doc_id": 1, "title": "T"}], r"corpus.jsonl:1: missing field 'abstract'"),
     ],
 )
