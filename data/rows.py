@@ -46,11 +46,9 @@ def validate_row(row: Any, where: str) -> None:
         if (key in row or key == "data_source") and (not isinstance(row.get(key), str) or not row[key]):
             raise ValueError(f"{where}: field {key!r} must be a non-empty string, got {describe(row.get(key))}")
     reward_model = row.get("reward_model")
-    if not isinstance(reward_model, dict):
-        raise ValueError(f"{where}: field 'reward_model' must be an object with 'ground_truth', "
+    if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:  # else any JSON, as in verl
+        raise ValueError(f"{where}: field 'reward_model' must be an object with a non-null 'ground_truth', "
                          f"got {describe(reward_model)}")
-    if reward_model.get("ground_truth") is None:  # any other JSON value, as in verl
-        raise ValueError(f"{where}: field 'reward_model.ground_truth' is missing or null")
     extra_info = row.get("extra_info")
     if extra_info is None:
         return

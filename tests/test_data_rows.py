@@ -74,7 +74,7 @@ def test_any_json_ground_truth_loads_as_in_verl(tmp_path):
         ({"prompt": [{"role": "robot", "content": "hi"}], "data_source": "x", "reward_model": {"ground_truth": "1"}}, "(one of ('system', 'user', 'assistant', 'tool')) and 'content' (a string), got dict {'role': 'robot'"),
         ({"prompt": [{"role": "user", "content": "hi"}], "reward_model": {"ground_truth": "1"}}, "field 'data_source'"),
         ({"prompt": [{"role": "user", "content": "hi"}], "data_source": "x"}, "field 'reward_model'"),
-        ({"prompt": [{"role": "user", "content": "hi"}], "data_source": "x", "reward_model": {"answer": 4}}, "reward_model.ground_truth' is missing"),
+        ({"prompt": [{"role": "user", "content": "hi"}], "data_source": "x", "reward_model": {"answer": 4}}, "non-null 'ground_truth', got dict {'answer': 4}"),
         ({"prompt": [{"role": "user", "content": "hi"}], "data_source": "x", "reward_model": {"ground_truth": "4"},
           "extra_info": {"index": "7"}}, "extra_info.index' must be an integer"),
     ],
@@ -93,7 +93,7 @@ def test_parquet_errors_name_the_row(tmp_path):
     rows[1]["reward_model"] = {"ground_truth": None}
     path = tmp_path / "bad.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
-    with pytest.raises(ValueError, match=r"bad.parquet row 2: field 'reward_model.ground_truth'"):
+    with pytest.raises(ValueError, match=r"bad.parquet row 2: field 'reward_model' must be an object with a non-null 'ground_truth'"):
         read_rows(path)
 
 
