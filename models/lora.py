@@ -44,9 +44,7 @@ def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: floa
                         bias="none", base_model_name_or_path=getattr(model.config, "_name_or_path", None) or None)
     with torch.random.fork_rng(devices=[]):  # peft draws A on the CPU before moving it to the base's device
         torch.manual_seed(seed)
-        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
-    for name, parameter in model.named_parameters():
-        parameter.requires_grad_(is_adapter_name(name))
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER)  # it also freezes all but the adapters
     return model
 
 
