@@ -135,16 +135,20 @@ def load_tokenizer(name_or_path: str | os.PathLike | None = None, *, trust_remot
     except (OSError, ValueError) as error:
         raise ValueError(f"cannot load a tokenizer from {directory} (tokenizer.json / tokenizer_config.json "
                          f"missing or unreadable): {error}") from None
+    return _checked_tokenizer(tokenizer, directory)
+
+
+def _checked_tokenizer(tokenizer, source: Path):
+    """`tokenizer` (from `source`), EOS as its pad token if it has none (padding is always masked out of attention
+    and loss); ValueError when it has no eos_token or no chat template."""
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"the tokenizer in {directory} has no eos_token; "
-                         f"set one in {directory / 'tokenizer_config.json'}")
+        raise ValueError(f"the tokenizer in {source} has no eos_token; set one in its tokenizer_config.json")
     if tokenizer.pad_token_id is None:
-        # Padded positions are always masked out of attention and loss, so reusing EOS is safe.
         tokenizer.pad_token = tokenizer.eos_token
     if not tokenizer.chat_template:
-        raise ValueError(f"the tokenizer in {directory} has no chat template; every prompt here is a chat, so add one "
-                         f"({directory / 'chat_template.jinja'} or 'chat_template' in tokenizer_config.json), "
-                         "e.g. copied from the instruct variant of the same model")
+        raise ValueError(f"the tokenizer in {source} has no chat template; every prompt here is a chat, so add one "
+                         "(chat_template.jinja or 'chat_template' in tokenizer_config.json), e.g. copied from the "
+                         "instruct variant of the same model")
     return tokenizer
 
 
@@ -205,13 +209,7 @@ def _write_conversion(gguf_path: Path, out_dir: Path) -> None:
         raise ValueError(f"transformers could not read the GGUF file {gguf_path} ({type(error).__name__}: {error}); "
                          "check that it is a complete GGUF of an architecture transformers supports, or pass a "
                          "Hugging Face model directory instead") from error
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"the tokenizer in {gguf_path} has no end-of-sequence token; cannot train with it")
-    if tokenizer.pad_token_id is None:
-        # Padding positions are always masked out, so reusing EOS as pad is safe and what SmolLM2 ships.
-        tokenizer.pad_token = tokenizer.eos_token
-    if not tokenizer.chat_template:
-        raise ValueError(f"the tokenizer in {gguf_path} has no chat template (tokenizer.chat_template metadata)")
+    _checked_tokenizer(tokenizer, gguf_path)
     # The dequantised weights are plain float32 tensors; dropping the GGUF quantisation record lets
     # save_pretrained write them as an ordinary, unquantised checkpoint.
     if hasattr(model.config, "quantization_config"):
