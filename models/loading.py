@@ -68,9 +68,6 @@ def resolve_model_dir(name_or_path: str | os.PathLike | None, *, need_weights: b
     return path
 
 
-FLASH_ATTN_INSTALL = "pip install flash-attn --no-build-isolation"  # it builds against the torch installed
-
-
 def flash_attn_installed() -> bool:
     """Whether flash-attn is installed, importing the function the packed passes call (models.attention), which
     loads its compiled CUDA extension: a wheel built for another torch or CUDA passes a package lookup and would
@@ -81,7 +78,8 @@ def flash_attn_installed() -> bool:
         from flash_attn import flash_attn_varlen_func  # noqa: F401
     except ImportError as error:
         raise ImportError(f"flash-attn is installed but does not import ({error}); reinstall it for this torch "
-                          f"({FLASH_ATTN_INSTALL}) or uninstall it to use sdpa") from None
+                          "(pip install flash-attn --no-build-isolation: it builds against the torch installed) or "
+                          "uninstall it to use sdpa") from None
     return True
 
 
@@ -153,11 +151,9 @@ def _checked_tokenizer(tokenizer, source: Path):
 
 
 def cache_root() -> Path:
-    if os.environ.get("NANOGRPO_CACHE"):
-        return Path(os.environ["NANOGRPO_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "nanogrpo"
+    """$NANOGRPO_CACHE, else nanogrpo/ under $XDG_CACHE_HOME (by default ~/.cache)."""
+    default = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "nanogrpo"
+    return Path(os.environ.get("NANOGRPO_CACHE") or default).expanduser()
 
 
 def embedded_gguf_path() -> Path:
