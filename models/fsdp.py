@@ -150,20 +150,15 @@ def shape_mismatch(expected: dict[str, tuple], given: dict[str, tuple]) -> str |
 def copy_from_rank0(target: Tensor, source: Tensor | None) -> None:
     """Copy rank 0's full tensor `source` (None on the other ranks) into `target`, a parameter or buffer: a
     DTensor's shards, a replicated tensor (by a broadcast), or a plain one in one process."""
+    if source is None:  # ranks > 0: receives rank 0's values (a DTensor's shape is the full one)
+        source = torch.empty(target.shape, dtype=target.dtype, device=target.device)
+    source = source.to(target.device, target.dtype)
     if isinstance(target, DTensor):
-        if source is None:
-            source = torch.empty(target.shape, dtype=target.dtype, device=target.device)
-        local = distribute_tensor(source.to(target.device, target.dtype), target.device_mesh, target.placements,
-                                  src_data_rank=0)
-        target.to_local().copy_(local.to_local())
+        source = distribute_tensor(source, target.device_mesh, target.placements, src_data_rank=0).to_local()
+        target = target.to_local()
     elif is_distributed():
-        if source is None:
-            source = torch.empty_like(target)
-        source = source.to(target.device, target.dtype)
         dist.broadcast(source, group_src=0, group=_GROUP)
-        target.copy_(source)
-    else:
-        target.copy_(source)
+    target.copy_(source)
 
 
 def load_full_weights(weights: list[tuple[str, Tensor]], state_dict: dict[str, Tensor] | None) -> None:
