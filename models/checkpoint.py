@@ -226,18 +226,17 @@ def _write_error(final: Path, what: str, failure: tuple[int, str], model, optimi
                  adapter: bool) -> CheckpointWriteError:
     # What a checkpoint needs, from the tensors' sizes (a DTensor shard counts as its whole tensor: every rank's
     # shards are written): the weights (the adapter alone for LoRA: the trainable ones) and the optimizer state.
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad or not adapter)
-    state_bytes = 0 if optimizer is None else sum(value.numel() * value.element_size()
-                                                  for state in optimizer.state.values() for value in state.values()
-                                                  if isinstance(value, torch.Tensor))
-    rank, message = failure
-    needed = weight_bytes + state_bytes
+    tensors = [p for p in model.parameters() if p.requires_grad or not adapter]
+    if optimizer is not None:
+        tensors += [value for state in optimizer.state.values() for value in state.values()
+                    if isinstance(value, torch.Tensor)]
+    needed = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
     free = shutil.disk_usage(final.parent).free if final.parent.exists() else 0
     return CheckpointWriteError(
-        f"writing checkpoint {final} failed on rank {rank} while writing {what}: {message}. It needs about "
-        f"{needed:,} bytes ({needed / 2**20:.1f} MiB: {weight_bytes:,} of {'adapter' if adapter else 'weights'} + "
-        f"{state_bytes:,} of optimizer state); {free:,} bytes are free under {final.parent}. The partial directory "
-        f"was removed; earlier checkpoints are intact")
+        f"writing checkpoint {final} failed on rank {failure[0]} while writing {what}: {failure[1]}. It needs about "
+        f"{needed:,} bytes ({needed / 2**20:.1f} MiB of {'adapter' if adapter else 'weights'} and optimizer state); "
+        f"{free:,} bytes are free under {final.parent}. The partial directory was removed; earlier checkpoints are "
+        "intact")
 
 
 def complete_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -287,10 +286,9 @@ def _verify(directory: Path, model: torch.nn.Module, optimizer) -> None:
     against the model's, and a LoRA adapter's rank and alpha; raises the first problem found."""
     state = check_files(directory)
     is_adapter = lora.is_lora(model)
-    if is_adapter and not state.get("lora"):
-        raise ValueError(f"{directory} is not a LoRA checkpoint (model.lora is set): resume it with LoRA off")
-    if state.get("lora") and not is_adapter:
-        raise ValueError(f"{directory} is a LoRA checkpoint (adapter only): resume it with model.lora on")
+    if is_adapter != bool(state.get("lora")):
+        raise ValueError(f"{directory} is {'not a' if is_adapter else 'a'} LoRA checkpoint: resume it with "
+                         f"model.lora {'off' if is_adapter else 'on'}")
     weights, file = _trained_weights(model)
     with safe_open(directory / file, framework="pt") as handle:
         shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
