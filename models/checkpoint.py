@@ -311,13 +311,7 @@ def load_checkpoint(directory: str | os.PathLike, model: torch.nn.Module,
     """Restore the weights (a LoRA model: its adapter), optimizer state and RNG states from `directory` into a
     model prepared as for training (sharded or not; apply_lora with the same settings); every rank calls it."""
     directory = Path(directory)
-    error = None
-    if fsdp.rank() == 0:
-        try:
-            _verify(directory, model, optimizer)
-        except Exception as caught:  # raised on every rank below, so no rank waits in a collective
-            error = caught
-    fsdp.raise_on_all_ranks(error)
+    fsdp.on_rank0(lambda: _verify(directory, model, optimizer))
     state = json.loads((directory / STATE).read_text())
     if optimizer is not None:
         fsdp.load_optimizer_state(str(directory / "optimizer"), model, optimizer)

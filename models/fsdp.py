@@ -56,12 +56,20 @@ def broadcast_object(value, source: int = 0):
     return holder[0]
 
 
-def raise_on_all_ranks(error: Exception | None) -> None:
-    """Rank 0 found `error` (or None): raise it on every rank, so no rank waits forever in a collective."""
-    message = broadcast_object(None if error is None else (type(error).__name__, str(error)))
+def on_rank0(function: Callable[[], object]):
+    """function() run by rank 0 alone, its result on every rank; what it raises is raised on every rank (the others
+    get a ValueError or FileNotFoundError with its message), so no rank waits forever in a collective."""
+    result = error = None
+    if rank() == 0:
+        try:
+            result = function()
+        except Exception as caught:
+            error = caught
+    result, message = broadcast_object((result, None if error is None else (type(error).__name__, str(error))))
     if message is not None:
         kind = {"FileNotFoundError": FileNotFoundError}.get(message[0], ValueError)
         raise error if error is not None else kind(message[1])
+    return result
 
 
 def first_error(error: BaseException | None) -> tuple[int, str] | None:
@@ -164,11 +172,10 @@ def copy_from_rank0(target: Tensor, source: Tensor | None) -> None:
 def load_full_weights(weights: list[tuple[str, Tensor]], state_dict: dict[str, Tensor] | None) -> None:
     """Copy full tensors (held by rank 0; others pass None) into `weights` (named_weights, or a subset of them),
     every name and shape compared first, so nothing half-loads."""
-    mismatch = None
-    if rank() == 0:
-        mismatch = shape_mismatch({name: tuple(tensor.shape) for name, tensor in weights},
-                                  {name: tuple(tensor.shape) for name, tensor in state_dict.items()})
-    raise_on_all_ranks(mismatch and ValueError(f"weights do not match the model: {mismatch}"))
+    mismatch = on_rank0(lambda: shape_mismatch({name: tuple(tensor.shape) for name, tensor in weights},
+                                               {name: tuple(tensor.shape) for name, tensor in state_dict.items()}))
+    if mismatch:
+        raise ValueError(f"weights do not match the model: {mismatch}")
     for name, target in weights:
         copy_from_rank0(target, state_dict[name] if rank() == 0 else None)
 
@@ -185,14 +192,7 @@ def load_sharded_model(name_or_path=None, mesh=None, *, param_dtype: torch.dtype
     prepare: called on every rank's meta model before sharding (after gradient checkpointing is enabled) and on
     rank 0's pretrained copy, e.g. models.lora.apply_lora: both then name the same parameters, and every rank
     receives rank 0's values (the adapters' seeded initialisation included)."""
-    directory, error = None, None
-    if rank() == 0:
-        try:
-            directory = str(resolve_model_dir(name_or_path))
-        except (FileNotFoundError, ValueError) as caught:
-            error = caught
-    raise_on_all_ranks(error)
-    directory = broadcast_object(directory)
+    directory = str(on_rank0(lambda: resolve_model_dir(name_or_path)))
     config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code, local_files_only=True)
     config._attn_implementation = resolve_attn_implementation(attn_implementation, device, param_dtype or dtype)
     with torch.device("meta"):
