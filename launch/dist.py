@@ -24,10 +24,6 @@ from launch.plan import Target, process_groups
 from models import fsdp
 
 
-def _identity(tensor):
-    return tensor
-
-
 @dataclass(frozen=True)
 class DistInfo:
     """rank / world_size count the ranks of this rank's role: all when colocated; the trainers, or the engine ranks,
@@ -38,8 +34,8 @@ class DistInfo:
     world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     mesh: object = None  # DeviceMesh over this role's ranks (FSDP2), None for one process and for engine ranks
-    all_reduce_sum: Callable = _identity
-    all_reduce_max: Callable = _identity
+    all_reduce_sum: Callable = lambda tensor: tensor  # one process: the identity
+    all_reduce_max: Callable = lambda tensor: tensor
     tp_size: int = 1
     global_rank: int = 0  # the rank in the torchrun world
     role: str = "colocated"  # or "trainer" / "rollout" under rollout.placement=separate
