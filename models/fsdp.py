@@ -98,13 +98,10 @@ def shard(model: torch.nn.Module, mesh, *, param_dtype: torch.dtype | None) -> t
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__} "
                          f"(its _no_split_modules is {sorted(names)})")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
+    for module in [*layers, model]:  # the layers first: each unit owns the parameters no inner unit took
+        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=module is not model)
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
     return model
 
 
