@@ -252,8 +252,7 @@ def complete_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     """The complete `step_<n>` directory with the largest n (complete_checkpoints); None when there is none."""
-    complete = complete_checkpoints(run_dir)
-    return complete[-1][1] if complete else None
+    return max(complete_checkpoints(run_dir), default=(None, None))[1]
 
 
 def check_files(directory: Path) -> dict:
