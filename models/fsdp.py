@@ -113,18 +113,15 @@ def reshard(model: torch.nn.Module) -> None:
             module.reshard()
 
 
-def _buffers(model: torch.nn.Module, persistent: bool) -> list[tuple[str, Tensor]]:
-    """The model's persistent buffers (in its state dict) or the others (rotary inv_freq, rebuilt from config)."""
+def named_weights(model: torch.nn.Module) -> list[tuple[str, Tensor]]:
+    """(HF name, parameter or persistent buffer), tied aliases once, in the model's fixed module order: the state
+    dict's entries (not the non-persistent buffers, such as rotary inv_freq, which HF rebuilds from the config)."""
+    reshard(model)
     non_persistent = {f"{module_name}.{buffer_name}" if module_name else buffer_name
                       for module_name, module in model.named_modules()
                       for buffer_name in getattr(module, "_non_persistent_buffers_set", ())}
-    return [(name, buffer) for name, buffer in model.named_buffers() if (name not in non_persistent) == persistent]
-
-
-def named_weights(model: torch.nn.Module) -> list[tuple[str, Tensor]]:
-    """(HF name, parameter or persistent buffer), tied aliases once, in the model's fixed module order."""
-    reshard(model)
-    return [*model.named_parameters(), *_buffers(model, True)]
+    return [*model.named_parameters(), *((name, buffer) for name, buffer in model.named_buffers()
+                                         if name not in non_persistent)]
 
 
 def full_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
@@ -167,8 +164,8 @@ def copy_from_rank0(target: Tensor, source: Tensor | None) -> None:
 
 
 def load_full_weights(weights: list[tuple[str, Tensor]], state_dict: dict[str, Tensor] | None) -> None:
-    """Copy full tensors (held by rank 0; others pass None) into `weights` (named_weights, or a subset of them),
-    every name and shape compared first, so nothing half-loads."""
+    """Copy full tensors (held by rank 0; others pass None) into `weights` ((name, parameter or buffer), e.g.
+    named_weights or a subset of them), every name and shape compared first, so nothing half-loads."""
     mismatch = on_rank0(lambda: shape_mismatch({name: tuple(tensor.shape) for name, tensor in weights},
                                                {name: tuple(tensor.shape) for name, tensor in state_dict.items()}))
     if mismatch:
@@ -201,18 +198,16 @@ def load_sharded_model(name_or_path=None, mesh=None, *, param_dtype: torch.dtype
         prepare(model)
     shard(model, mesh, param_dtype=param_dtype)
     model.to_empty(device=device)
-    full, buffers = None, {}
+    full = None
     if rank() == 0:
         pretrained = load_model(directory, dtype=dtype, device="cpu", trust_remote_code=trust_remote_code)
         if prepare is not None:
             prepare(pretrained)
-        full, buffers = dict(named_weights(pretrained)), dict(_buffers(pretrained, False))
+        # Every buffer: to_empty left those no state dict holds (rotary inv_freq) uninitialised too.
+        full = dict([*pretrained.named_parameters(), *pretrained.named_buffers()])
         del pretrained
-    load_full_weights(named_weights(model), full)
-    # to_empty left the buffers no state dict holds (rotary inv_freq) uninitialised: rank 0's are sent too.
-    for name, buffer in _buffers(model, False):
-        copy_from_rank0(buffer, buffers.get(name))
-    del full, buffers
+    load_full_weights([*model.named_parameters(), *model.named_buffers()], full)
+    del full
     if os.path.isfile(os.path.join(directory, "generation_config.json")):
         model.generation_config = GenerationConfig.from_pretrained(directory, local_files_only=True)
     return model
