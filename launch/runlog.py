@@ -33,6 +33,7 @@ class RunLog:
     def __init__(self, cfg: Config, run_dir: Path, *, start_step: int = 0, enabled: bool = True):
         self.enabled, self.run_dir = enabled, Path(run_dir)
         self.bar = self.tensorboard = self.wandb = None
+        self.closing = contextlib.ExitStack()  # what close() ends: the bar, TensorBoard's writer, the W&B run
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -51,11 +52,12 @@ class RunLog:
             import wandb
             self.wandb = wandb.init(project=cfg.trainer.wandb_project, name=self.run_dir.name,
                                     dir=str(self.run_dir), config=settings, resume="allow")
-        self.bar = tqdm(total=cfg.trainer.steps, initial=start_step, desc=cfg.stage, dynamic_ncols=True,
-                        file=sys.stderr)
+            self.closing.callback(self.wandb.finish)
+        self.bar = self.closing.enter_context(tqdm(total=cfg.trainer.steps, initial=start_step, desc=cfg.stage,
+                                                   dynamic_ncols=True, file=sys.stderr))
         with contextlib.suppress(Exception):  # optional: only when installed
             from torch.utils.tensorboard import SummaryWriter
-            self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"))
+            self.tensorboard = self.closing.enter_context(SummaryWriter(str(self.run_dir / "tensorboard")))
 
     def metrics(self, step: int, metrics: dict, postfix_keys: tuple[str, ...] = ("reward_mean",)) -> None:
         if not self.enabled:
@@ -85,10 +87,4 @@ class RunLog:
             tqdm.write(message, file=sys.stderr)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-            self.wandb = None
+        self.closing.close()
