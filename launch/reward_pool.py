@@ -120,7 +120,8 @@ class RewardPool:
             raise
 
     def _start_missing(self) -> dict[str, str]:
-        """(Re)start the workers not running, in parallel; {data_source: function identity} as they see it."""
+        """(Re)start the workers not running (never started, or stopped: killed, dead or closed), in parallel;
+        {data_source: function identity} as they see it."""
         started = []
         for slot, worker in enumerate(self.workers):
             if worker is None or not worker.process.is_alive():
@@ -183,7 +184,6 @@ class RewardPool:
             if any(isinstance(outcome, BaseException) for outcome in outcomes):
                 for slot in busy:  # abandoned: the run ends with the first error
                     self.workers[slot].stop()
-                    self.workers[slot] = None
                 break
         return outcomes
 
@@ -204,14 +204,13 @@ class RewardPool:
             return self._died(slot)
         if time.monotonic() >= deadline:
             worker.stop()
-            self.workers[slot] = None
             return RewardTimeout(f"no result within reward.timeout_s={self.reward.timeout_s:g} s: the call was "
                                  f"abandoned and its worker (pid {worker.process.pid}) killed; a new worker is "
                                  f"started for the next call")
         return _PENDING
 
     def _died(self, slot: int) -> RewardWorkerError:
-        worker, self.workers[slot] = self.workers[slot], None
+        worker = self.workers[slot]
         worker.stop()  # already dead: its exit code is read once joined
         code = worker.process.exitcode
         name = f", {signal.Signals(-code).name}" if code is not None and code < 0 else ""
@@ -224,11 +223,9 @@ class RewardPool:
             if worker is not None and worker.process.is_alive():
                 with contextlib.suppress(OSError):
                     worker.connection.send(None)
-        for slot, worker in enumerate(self.workers):
-            if worker is not None:
-                worker.process.join(5.0)
-                worker.stop()
-                self.workers[slot] = None
+        for worker in filter(None, self.workers):
+            worker.process.join(5.0)
+            worker.stop()
 
 
 _PENDING = object()
