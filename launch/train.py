@@ -32,7 +32,7 @@ from launch.build import build, build_scorer
 from launch.dist import CollectiveFailed, DistInfo, exit_rank, init_distributed, shutdown
 from launch.memory import check_fit, read_model_config, this_gpu_gib
 from launch.memory import describe as describe_memory
-from launch.plan import Target, check_plan, describe_batch, run_plan
+from launch.plan import Target, describe_batch, run_plan
 from launch.preflight import prepare
 from launch.recipe import load_config
 from models import resolve_model_dir
@@ -168,8 +168,7 @@ def _dry_run(cfg: Config, dist: DistInfo, args: argparse.Namespace) -> None:
             f"ok: {len(prepared.rows)} training rows, {len(prepared.eval_rows)} held-out rows, longest prompt "
             f"{longest} tokens (data.max_prompt_tokens={cfg.data.max_prompt_tokens}){resume}")
         model = str(resolve_model_dir(prepared.source))
-    else:
-        check_plan(cfg, target)
+    else:  # run_plan below checks the settings for the target (check_plan)
         warnings, summary = startup_warnings(cfg), f"ok: settings checked for {target.device} x {target.world_size}"
     model_config = read_model_config(args.model_config or model)  # the model's config.json: memory estimate
     if args.model_config and model_config is None:
