@@ -58,8 +58,9 @@ def validate_row(row: Any, where: str) -> None:
     if isinstance(index, bool) or not isinstance(index, int):
         raise ValueError(f"{where}: field 'extra_info.index' must be an integer, got {describe(index)}")
     target = extra_info.get("target")
-    if target is not None and not isinstance(target, str):
-        raise ValueError(f"{where}: field 'extra_info.target' must be a string, got {describe(target)}")
+    if target is not None and not isinstance(target, (str, list)):  # a list: a multi-turn target (rollout.tools)
+        raise ValueError(f"{where}: field 'extra_info.target' must be a string or a list of messages, got "
+                         f"{describe(target)}")
 
 
 def _format_of(path: Path) -> str:

@@ -171,6 +171,12 @@ class RolloutConfig(Section):
     """Top-k sampling; 0 is off (other than 0: as top_p)."""
     stop: list[str] = field(default_factory=list)
     """Stop strings; the completion ends with the token that completes one."""
+    tools: dict[str, list[str]] = field(default_factory=dict)
+    """Tools per data_source, {source: [name or "package.module:function"]} (rollout/tools.py); {}: one turn."""
+    max_turns: int = bounded(4, 1)
+    """Model turns per trajectory where the row's data source has tools; max_new_tokens bounds them all together."""
+    tool_timeout_s: float = bounded(10.0, 0, low_open=True)
+    """Seconds a tool call may run before the model is told that it timed out (and the trajectory goes on)."""
     num_threads: int | None = bounded(None, 1)
     """torch threads while the transformers engine generates (null: torch's; 1 is faster on a busy CPU)."""
     sync_bucket_mb: int = bounded(1024, 1)

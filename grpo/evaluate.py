@@ -11,14 +11,18 @@ from grpo.groups import Scorer, correctness, numeric_components
 from grpo.stats import mean_interval
 
 
-def greedy_completions(engine, prompt_ids: Sequence[list[int]], *, max_new_tokens: int, batch_size: int = 16) -> list:
-    """Greedy completions in prompt order; each batch holds prompts of similar length (less left padding)."""
+def greedy_completions(engine, prompt_ids: Sequence[list[int]], *, max_new_tokens: int, batch_size: int = 16,
+                       rows: Sequence[dict] = (), tools=None) -> list:
+    """Greedy completions in prompt order; each batch holds prompts of similar length (less left padding). With
+    `tools` (rollout.tools.Tools) and the prompts' `rows`, multi-turn trajectories where a row's source has tools."""
     order = sorted(range(len(prompt_ids)), key=lambda i: -len(prompt_ids[i]))
     completions: list = [None] * len(prompt_ids)
+    request = dict(n=1, max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, stop=[], seed=0)
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
-        outputs = engine.generate([prompt_ids[i] for i in chunk], n=1, max_new_tokens=max_new_tokens,
-                                  temperature=0.0, top_p=1.0, top_k=0, stop=[], seed=0)
+        prompts = [prompt_ids[i] for i in chunk]
+        outputs = (engine.generate(prompts, **request) if tools is None
+                   else tools.generate(engine, prompts, [rows[i] for i in chunk], **request))
         for i, completion in zip(chunk, outputs):
             completions[i] = completion
     return completions
@@ -32,7 +36,7 @@ def score_record(scorer: Scorer, row: dict, text: str, position: int = 0) -> dic
 
 
 def evaluate(engine, scorer: Scorer, rows: Sequence[dict], prompt_ids: Sequence[list[int]], dist, *,
-             max_new_tokens: int, batch_size: int = 16) -> dict:
+             max_new_tokens: int, batch_size: int = 16, tools=None) -> dict:
     """Score every held-out row: each replica completes every dp_size-th row (the ranks of a tensor-parallel
     replica submit the same requests and its first rank reports them), and the values are gathered.
 
@@ -40,7 +44,7 @@ def evaluate(engine, scorer: Scorer, rows: Sequence[dict], prompt_ids: Sequence[
     {metric: (mean, low, high)}, "records": this rank's [{"index", "completion", "finish_reason", **values}]}."""
     mine = list(range(dist.dp_rank, len(rows), dist.dp_size))
     completions = greedy_completions(engine, [prompt_ids[i] for i in mine], max_new_tokens=max_new_tokens,
-                                     batch_size=batch_size)
+                                     batch_size=batch_size, rows=[rows[i] for i in mine], tools=tools)
     records = []
     for i, completion in zip(mine, completions):
         values = score_record(scorer, rows[i], completion.text, i)

@@ -20,6 +20,7 @@ from grpo.alignment import sentence_shaping, token_char_spans, token_sentence_in
 from grpo.config import Config
 from rollout.engine import stream_seed
 from rollout.sync import sync_weights
+from rollout.tools import Tools
 
 
 class PromptSampler:
@@ -159,7 +160,7 @@ class Batch:
     rows: list[dict]
     rewards: Tensor  # [B] outcome rewards
     correct: Tensor  # [B] 0/1
-    lengths: Tensor  # [B] completion lengths in tokens (float32)
+    lengths: Tensor  # [B] completion lengths in the model's tokens (float32; tool messages not counted)
     loss_weight: Tensor  # [B] 1, or 0 for filler groups that must not train (dynamic sampling)
     mask: Tensor  # [B, T] completion tokens times loss_weight: what the loss trains on
     token_shaping: Tensor  # [B, T] sentence shaping
@@ -170,17 +171,21 @@ class Batch:
 
     @classmethod
     def from_groups(cls, groups: Sequence[Group], weights: Sequence[float], *, rounds: int, generated: int) -> Batch:
-        lengths = torch.tensor([len(c.completion_ids) for g in groups for c in g.completions], dtype=torch.float32)
-        width = int(lengths.max()) if len(lengths) else 0
+        completions = [c for g in groups for c in g.completions]
+        width = max((len(c.completion_ids) for c in completions), default=0)
         loss_weight = torch.tensor([w for g, w in zip(groups, weights) for _ in g.completions], dtype=torch.float32)
-        mask = (torch.arange(width)[None, :] < lengths[:, None]).float() * loss_weight[:, None]
+        # The model's tokens: a completion's ids, less the tool messages of a multi-turn trajectory (rollout/tools.py).
+        mask = torch.tensor([(c.mask if c.mask is not None else [1] * len(c.completion_ids))
+                             + [0] * (width - len(c.completion_ids)) for c in completions], dtype=torch.float32)
+        lengths = mask.sum(dim=1)
+        mask = mask * loss_weight[:, None]
         token_shaping = torch.cat([torch.nn.functional.pad(g.token_shaping, (0, width - g.token_shaping.shape[1]))
                                    for g in groups])
         components: dict[str, list[float]] = {}
         for group in groups:
             for key, values in group.components.items():
                 components.setdefault(key, []).extend(values)
-        return cls(completions=[c for g in groups for c in g.completions], rows=[r for g in groups for r in g.rows],
+        return cls(completions=completions, rows=[r for g in groups for r in g.rows],
                    rewards=torch.cat([g.rewards for g in groups]), correct=torch.cat([g.correct for g in groups]),
                    lengths=lengths, loss_weight=loss_weight, mask=mask, token_shaping=token_shaping,
                    components=components, rounds=rounds, generated_groups=generated)
@@ -202,8 +207,9 @@ class LocalRollout:
 
     def __init__(self, cfg: Config, engine, scorer: Scorer, dist, *, rows: Sequence[dict],
                  prompt_ids: Sequence[list[int]], eval_rows: Sequence[dict] = (),
-                 eval_prompt_ids: Sequence[list[int]] = (), policy: torch.nn.Module | None = None):
-        self.cfg, self.engine, self.scorer, self.dist, self.policy = cfg, engine, scorer, dist, policy
+                 eval_prompt_ids: Sequence[list[int]] = (), policy: torch.nn.Module | None = None,
+                 tools: Tools | None = None):
+        self.cfg, self.engine, self.scorer, self.dist, self.policy, self.tools = cfg, engine, scorer, dist, policy, tools
         self.rows, self.prompt_ids, self.eval_rows, self.eval_prompt_ids = rows, prompt_ids, eval_rows, eval_prompt_ids
         # One order over the rows per replica: the ranks of a tensor-parallel replica draw the same prompts.
         self.sampler = PromptSampler(len(rows), seed=cfg.seed, rank=dist.dp_rank, world_size=dist.dp_size,
@@ -220,9 +226,11 @@ class LocalRollout:
     def generate_groups(self, indices: Sequence[int], seed: int) -> list[Group]:
         """G scored completions for each of the prompts `indices`, one Group per prompt, in order."""
         roll, group_size = self.cfg.rollout, self.cfg.rollout.n
-        completions = self.engine.generate([self.prompt_ids[i] for i in indices], n=group_size, seed=seed,
-                                           max_new_tokens=roll.max_new_tokens, temperature=roll.temperature,
-                                           top_p=roll.top_p, top_k=roll.top_k, stop=list(roll.stop))
+        prompts, rows = [self.prompt_ids[i] for i in indices], [self.rows[i] for i in indices]
+        request = dict(n=group_size, seed=seed, max_new_tokens=roll.max_new_tokens, temperature=roll.temperature,
+                       top_p=roll.top_p, top_k=roll.top_k, stop=list(roll.stop))
+        completions = (self.engine.generate(prompts, **request) if self.tools is None
+                       else self.tools.generate(self.engine, prompts, rows, **request))
         batch_rows = [self.rows[i] for i in indices for _ in range(group_size)]
         scores = self.scorer.score([c.text for c in completions], [c.completion_ids for c in completions], batch_rows)
         groups = []
@@ -267,7 +275,8 @@ class LocalRollout:
         if not self.eval_rows:
             return None
         return evaluate(self.engine, self.scorer, self.eval_rows, self.eval_prompt_ids, self.dist,
-                        max_new_tokens=self.cfg.eval_max_new_tokens, batch_size=self.cfg.trainer.eval_batch_size)
+                        max_new_tokens=self.cfg.eval_max_new_tokens, batch_size=self.cfg.trainer.eval_batch_size,
+                        tools=self.tools)
 
     def close(self, stop_signal: int = 0) -> None:
         self.engine.close()

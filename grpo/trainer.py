@@ -114,7 +114,7 @@ class Parts:
     vocab_size: int | None = None  # the ids the engines can sample: the trainer normalises over them
     reference: torch.nn.Module | None = None  # the KL reference (the policy itself with LoRA: adapters off)
     teacher: torch.nn.Module | None = None  # on-policy distillation's frozen teacher
-    examples: Sequence[tuple[list[int], list[int]]] = ()  # SFT: (prompt ids, target ids) per training row
+    examples: Sequence[tuple[list[int], list[int], list[int]]] = ()  # SFT: (prompt, target ids, target mask) per row
     sampler: PromptSampler | None = None  # SFT: this rank's order over the examples
 
 
@@ -183,6 +183,9 @@ def step_metrics(batch, rewards: Tensor, group_size: int, updates: list[dict], t
     # dropout, whose noise it then reads (docs/conventions.md, "Mini-batches and micro-batches").
     metrics["ratio_first_update"] = trained[0]["ratio_mean"] if trained else float("nan")
     metrics.update({f"reward/{key}": _nanmean(values) for key, values in batch.components.items()})
+    if stats := [c.tool_stats for c in batch.completions if c.tool_stats is not None]:  # multi-turn, per trajectory
+        metrics.update({name: sum(s[key] for s in stats) / len(stats) for name, key in (
+            ("turns_mean", "turns"), ("tool_calls", "calls"), ("tool_errors", "errors"), ("tool_timeouts", "timeouts"))})
     if "format" in batch.components:
         metrics["format_rate"] = _nanmean([format_success({"format": v}) for v in batch.components["format"]
                                            if not math.isnan(v)])
@@ -276,6 +279,15 @@ def train_rl(parts: Parts, dist) -> dict:
     return {"final": metrics, **results}
 
 
+def sft_batch(examples: Sequence[tuple[list[int], list[int], list[int]]], pad_id: int) -> dict:
+    """pad_batch of (prompt, target, target mask) examples, its completion_mask 0 where the target's mask is
+    (tool messages in a multi-turn target: rollout.tools.sft_target)."""
+    batch = pad_batch([p for p, _, _ in examples], [c for _, c, _ in examples], pad_id)
+    for row, (_, _, mask) in enumerate(examples):
+        batch["completion_mask"][row, :len(mask)] *= torch.tensor(mask, dtype=batch["completion_mask"].dtype)
+    return batch
+
+
 def train_sft(parts: Parts, dist) -> dict:
     """Next-token loss on completion tokens only, for trainer.steps steps from parts.checkpoints.start_step: the mean
     over the completion tokens of the whole step (all micro-batches and ranks), so gradient accumulation does not
@@ -290,8 +302,7 @@ def train_sft(parts: Parts, dist) -> dict:
         with phase("update", step + 1):
             examples = [parts.examples[i] for i in parts.sampler.next(trainer.sft_batch_size)]
             size = trainer.micro_batch_size
-            batches = [pad_batch([p for p, _ in examples[s:s + size]], [c for _, c in examples[s:s + size]],
-                                 parts.pad_id) for s in range(0, len(examples), size)]
+            batches = [sft_batch(examples[s:s + size], parts.pad_id) for s in range(0, len(examples), size)]
             local_tokens = sum(loss_denominator(batch["completion_mask"], SFT_AGG) for batch in batches)
             num_tokens = dist.all_reduce_sum(torch.as_tensor(local_tokens, dtype=torch.float32, device=dist.device))
             loss_sum = 0.0

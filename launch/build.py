@@ -28,6 +28,7 @@ from models.logprobs import sampleable_vocab_size
 from models.lora import apply_lora
 from models.precision import compute_in
 from rollout.hf_engine import HFEngine
+from rollout.tools import Tools
 from rollout.vllm_engine import VLLMEngine
 
 
@@ -63,6 +64,12 @@ def build_engine(cfg: Config, target: Target, model_dir: Path, tokenizer, *, dev
     model = load_model(model_dir, dtype=getattr(torch, precision(cfg, target)["engine"]), device=device,
                        attn_implementation=attention(cfg, target), trust_remote_code=cfg.model.trust_remote_code)
     return HFEngine(model.eval().requires_grad_(False), tokenizer, shared=False, num_threads=cfg.rollout.num_threads)
+
+
+def build_tools(cfg: Config, tokenizer) -> Tools | None:
+    """The multi-turn turn loop over rollout.tools (rollout/tools.py), or None for single-turn rollouts."""
+    roll = cfg.rollout
+    return Tools(tokenizer, roll.tools, max_turns=roll.max_turns, timeout_s=roll.tool_timeout_s) if roll.tools else None
 
 
 def build_scorer(cfg: Config, dist: DistInfo, prepared: Prepared) -> tuple[Scorer, object | None]:
@@ -152,7 +159,8 @@ def build(cfg: Config, dist: DistInfo, *, stop_requested: Callable[[], bool] = l
             engine = build_engine(cfg, Target.here(1), resolve_model_dir(prepared.source), prepared.tokenizer,
                                   device=dist.device, dp_rank=dist.dp_rank)
             local = LocalRollout(cfg, engine, scorer, dist, rows=prepared.rows, prompt_ids=prepared.prompt_ids,
-                                 eval_rows=prepared.eval_rows, eval_prompt_ids=prepared.eval_prompt_ids)
+                                 eval_rows=prepared.eval_rows, eval_prompt_ids=prepared.eval_prompt_ids,
+                                 tools=build_tools(cfg, prepared.tokenizer))
             return Run(serve, local, _finish_serving, cfg, dist, run_dir, reward_pool=pool)
         return _training(cfg, dist, prepared, run_dir, scorer, pool, stop_requested)
     except BaseException:
@@ -180,7 +188,8 @@ def _training(cfg: Config, dist: DistInfo, prepared: Prepared, run_dir: Path, sc
         synced = cfg.rollout.engine == "vllm" or own_engine_copy(cfg, target)
         rollout = LocalRollout(cfg, engine, scorer, dist, rows=prepared.rows if cfg.stage == "rl" else (),
                                prompt_ids=prepared.prompt_ids, eval_rows=prepared.eval_rows,
-                               eval_prompt_ids=prepared.eval_prompt_ids, policy=policy.model if synced else None)
+                               eval_prompt_ids=prepared.eval_prompt_ids, policy=policy.model if synced else None,
+                               tools=build_tools(cfg, prepared.tokenizer))
     sampler = None
     if cfg.stage == "sft":  # SFT reads its examples in an order of its own
         sampler = PromptSampler(len(prepared.rows), seed=cfg.seed, rank=dist.dp_rank, world_size=dist.dp_size,

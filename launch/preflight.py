@@ -21,6 +21,7 @@ from launch.plan import Target, check_plan, run_plan
 from models import load_tokenizer, render_prompt, resolve_model_dir
 from models.checkpoint import check_files, complete_checkpoints
 from rewards.corpus import check_index
+from rollout.tools import sft_target, tool_schemas
 from rollout.vllm_engine import check_vllm_version
 
 # The command that makes each input the shipped recipes name (first match by path), for a missing file's message.
@@ -109,13 +110,14 @@ def _rows(files: list[str], given: list[dict] | None, key: str, name: str) -> li
     return rows
 
 
-def _tokenize_prompts(cfg: Config, tokenizer, rows: list[tuple[str, dict]], notes: list[str]
+def _tokenize_prompts(cfg: Config, tokenizer, rows: list[tuple[str, dict]], notes: list[str], tools: dict
                       ) -> tuple[list[tuple[str, dict]], list[list[int]]]:
-    """The rows whose prompt fits data.max_prompt_tokens, and their prompt ids. A longer prompt is refused naming
-    its row, or with data.filter_overlong_prompts dropped and counted in `notes`."""
+    """The rows whose prompt fits data.max_prompt_tokens, and their prompt ids (with their data source's tool
+    schemas, `tools`). A longer prompt is refused naming its row, or with data.filter_overlong_prompts dropped and
+    counted in `notes`."""
     kept, prompt_ids, dropped, limit = [], [], [], cfg.data.max_prompt_tokens
     for where, row in rows:
-        ids = render_prompt(tokenizer, row["prompt"])
+        ids = render_prompt(tokenizer, row["prompt"], tools.get(row["data_source"]))
         if len(ids) <= limit:
             kept.append((where, row))
             prompt_ids.append(ids)
@@ -220,8 +222,9 @@ def prepare(cfg: Config, dist, *, rows: list[dict] | None = None, eval_rows: lis
         except ValueError as error:
             raise ConfigError(f"{where} has data_source {row['data_source']!r} with no reward function: "
                               f"{error}") from None
-        if cfg.stage == "sft" and not isinstance((row.get("extra_info") or {}).get("target"), str):
-            raise ConfigError(f"stage=sft needs extra_info.target in every row; {where} has none")
+        if cfg.stage == "sft" and not isinstance((row.get("extra_info") or {}).get("target"), (str, list)):
+            raise ConfigError(f"stage=sft needs extra_info.target (a string or a list of messages) in every row; "
+                              f"{where} has none")
     if len(train) < dist.world_size:
         raise ConfigError(f"data.train_files: {len(train)} rows cannot feed world size {dist.world_size}")
     notes = startup_warnings(cfg)
@@ -239,7 +242,13 @@ def prepare(cfg: Config, dist, *, rows: list[dict] | None = None, eval_rows: lis
     if here.device == "cuda" and (model_dir / "config.json").is_file():  # memory from config.json, no weights
         check_fit(run_plan(cfg, here, str(model_dir), read_model_config(model_dir), this_gpu_gib(),
                            read_model_config(cfg.algorithm.teacher))["memory"])
-    train, prompt_ids = _tokenize_prompts(cfg, tokenizer, train, notes)
+    tools = {}
+    for data_source, names in cfg.rollout.tools.items():
+        try:
+            tools[data_source] = tool_schemas(names)
+        except ValueError as error:
+            raise ConfigError(f"rollout.tools.{data_source}: {error}") from None
+    train, prompt_ids = _tokenize_prompts(cfg, tokenizer, train, notes, tools)
     if not train:
         raise ConfigError(f"data.filter_overlong_prompts: no training row has a prompt of at most "
                           f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} tokens")
@@ -248,13 +257,16 @@ def prepare(cfg: Config, dist, *, rows: list[dict] | None = None, eval_rows: lis
     if cfg.stage == "rl" and budget and longest > budget:
         raise ConfigError(f"trainer.max_tokens_per_micro_batch={budget} is less than the longest sequence a step "
                           f"can hold: {longest} tokens (the longest prompt + rollout.max_new_tokens)")
-    held_out, eval_prompt_ids = _tokenize_prompts(cfg, tokenizer, held_out, notes)
-    examples = []  # SFT: (prompt ids, target ids + eos) per row
+    held_out, eval_prompt_ids = _tokenize_prompts(cfg, tokenizer, held_out, notes, tools)
+    examples = []  # SFT: (prompt ids, target ids, target loss mask) per row (rollout.tools.sft_target)
     for (where, row), ids in zip(train if cfg.stage == "sft" else [], prompt_ids):
-        target = tokenizer.encode(row["extra_info"]["target"], add_special_tokens=False) + [tokenizer.eos_token_id]
+        try:
+            target, mask = sft_target(tokenizer, row["extra_info"]["target"])
+        except ValueError as error:
+            raise ConfigError(f"{where}: extra_info.target: {error}") from None
         if len(ids) + len(target) > cfg.trainer.sft_max_len:
             raise ConfigError(f"{where}: prompt + target is {len(ids) + len(target)} tokens > "
                               f"trainer.sft_max_len={cfg.trainer.sft_max_len}")
-        examples.append((ids, target))
+        examples.append((ids, target, mask))
     return Prepared([row for _, row in train], [row for _, row in held_out], tokenizer, prompt_ids, eval_prompt_ids,
                     examples, source, key, latest, notes, [where for where, _ in train + held_out])

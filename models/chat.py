@@ -8,15 +8,17 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 
-def render_prompt(tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
-    """The prompt's token ids: the chat template on `messages` (a data row's "prompt") and the generation prompt."""
+def render_prompt(tokenizer, messages: Sequence[Mapping[str, str]], tools: list[dict] | None = None) -> list[int]:
+    """The prompt's token ids: the chat template on `messages` (a data row's "prompt") and the generation prompt;
+    `tools`: the JSON schemas of the row's tools (rollout/tools.py), for templates that describe them."""
     if isinstance(messages, (str, bytes)) or len(messages) == 0:
         raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.200}")
     for index, message in enumerate(messages):
         if not (isinstance(message, Mapping) and isinstance(message.get("role"), str)
                 and isinstance(message.get("content"), str)):
             raise ValueError(f"message {index} must be a dict with string 'role' and 'content', got {message!r:.200}")
-    encoded = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    encoded = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
+                                            tools=tools or None)
     return [int(token) for token in encoded["input_ids"]]
 
 

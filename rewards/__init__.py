@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
+from rewards.arithmetic import arithmetic_reward
 from rewards.factqa import factqa_corpus_reward
 from rewards.scifact import evidence_qa_reward, scifact_evidence_reward
 from rewards.verifier import verifier_reward
@@ -124,3 +125,4 @@ register("scifact_evidence", scifact_evidence_reward)
 register("evidence_qa", evidence_qa_reward)
 register("verifier", verifier_reward)
 register("factqa_corpus", factqa_corpus_reward)
+register("arithmetic", arithmetic_reward)

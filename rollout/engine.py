@@ -28,6 +28,10 @@ class Completion:
     # recomputation then differs by the log of the kept mass); with temperature 0 (greedy), log_softmax(logits).
     logprobs: list[float]
     finish_reason: str  # "stop" (end-of-sequence token or stop string) or "length" (max_new_tokens or the context)
+    # Multi-turn trajectories (rollout/tools.py): [T] 1 on the model's tokens, 0 on the tool messages' (logprob 0);
+    # None: every token is the model's. tool_stats: {"turns", "calls", "errors", "timeouts"} of the trajectory.
+    mask: list[int] | None = None
+    tool_stats: dict[str, int] | None = None
 
 
 @runtime_checkable

@@ -263,3 +263,62 @@ def test_vllm_leaves_torch_thread_settings_alone(vllm_engine, prompts):
     vllm_engine.generate(prompts[:1], n=1, max_new_tokens=2, temperature=1.0, top_p=1.0, top_k=0, stop=None, seed=0)
     assert torch.set_num_threads is ORIGINAL_SET_NUM_THREADS  # vLLM's CPU worker replaces it; we put it back
     assert torch.get_num_threads() == threads
+
+
+def echo(text: str) -> str:
+    """Repeat the end of a text.
+
+    Args:
+        text: the text to repeat.
+    """
+    return text[-12:]
+
+
+class Recording:
+    """An engine that keeps every request's prompts and completions (to rebuild what the turn loop appended)."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def generate(self, prompts, **request):
+        completions = self.engine.generate(prompts, **request)
+        self.calls.append((prompts, completions))
+        return completions
+
+
+def test_multi_turn_trajectories_are_the_engines_ids(engine, policy, prompts, tokenizer):
+    """Every trajectory of up to 4 turns is exactly the engine's sampled ids of each turn, then the tool message as
+    rollout.tools.tool_message_ids renders it, and so on; the trainer's logprobs over the model's tokens equal the
+    engine's as in the single-turn test. At temperature 2 the text does not survive decode + encode, so a loop that
+    re-tokenised the conversation would fail here."""
+    from rollout.tools import Tools, tool_message_ids
+
+    # Every finished turn calls echo on its text; a space ends a turn (stop strings: the template's end-of-turn token
+    # is then the tool message's, not the model's), so trajectories run to max_turns or their budget.
+    tools = Tools(tokenizer, {"src": ["tests.test_rollout_engines:echo"]}, max_turns=4, timeout_s=10.0,
+                  parse=lambda text: [{"name": "echo", "arguments": {"text": text}}])
+    recording = Recording(engine)
+    completions = tools.generate(recording, prompts, [{"data_source": "src"}] * 2, n=3, max_new_tokens=64,
+                                 temperature=2.0, top_p=1.0, top_k=0, stop=[" "], seed=5)
+    assert {c.tool_stats["turns"] for c in completions} >= {4}
+    assert all(1 <= c.tool_stats["turns"] <= 4 and len(c.completion_ids) <= 64 for c in completions)
+    later = [(list(prompt), output) for prompts_, outputs in recording.calls[1:] for prompt, output in
+             zip(prompts_, outputs)]
+    for b, c in enumerate(completions):
+        turn, position, ids = recording.calls[0][1][b], 0, c.completion_ids
+        while True:
+            sampled = turn.completion_ids[: 64 - position]
+            assert ids[position:position + len(sampled)] == sampled and set(c.mask[position:][:len(sampled)]) == {1}
+            position += len(sampled)
+            if position == len(ids):
+                break
+            message = tool_message_ids(tokenizer, [echo(turn.text)], ids[position - 1])
+            assert ids[position:position + len(message)] == message and set(c.mask[position:][:len(message)]) == {0}
+            position += len(message)
+            [turn] = [output for prompt, output in later if prompt == c.prompt_ids + ids[:position]]
+        assert c.text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert any(tokenizer.encode(tokenizer.decode(c.completion_ids), add_special_tokens=False) != c.completion_ids
+               for c in completions)
+    recomputed = trainer_logprobs(policy, completions, 2.0)
+    gaps = [abs(a - b) for c, r in zip(completions, recomputed) for a, b, m in zip(c.logprobs, r, c.mask) if m]
+    assert max(gaps) < 1e-3
