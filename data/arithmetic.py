@@ -6,12 +6,10 @@ trajectory a tool user writes: the call, the calculator's answer, then `<answer>
 `arithmetic` scores the last answer), so a short SFT teaches the format and GRPO the rest."""
 from __future__ import annotations
 
-import argparse
 import json
 import random
-from pathlib import Path
 
-from data.rows import write_rows
+from data.synthetic import main
 
 SYSTEM = ('You can use a calculator. To call it, write <tool_call>{"name": "calculator", "arguments": '
           '{"expression": "..."}}</tool_call> and wait for its answer. End with the result as <answer>N</answer>.')
@@ -44,16 +42,5 @@ def generate_rows(n: int, seed: int = 0, split: str = "train") -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m data.arithmetic", description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, required=True, help="number of rows")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--split", default="train", help="written to extra_info.split")
-    parser.add_argument("--out", required=True, help="output .jsonl or .parquet file")
-    args = parser.parse_args(argv)
-    write_rows(generate_rows(args.n, args.seed, args.split), Path(args.out))
-    print(f"{args.out}: {args.n} rows (seed {args.seed})")
-
-
 if __name__ == "__main__":
-    main()
+    main(generate=generate_rows, module="data.arithmetic", description=__doc__)

@@ -129,9 +129,9 @@ def exit_on_bad_input(status: int = 1) -> Callable[[Callable], Callable]:
     stderr: raised as SystemExit for status 1 (the data commands), else printed and `status` returned (launch's)."""
     def decorate(main: Callable) -> Callable:
         @functools.wraps(main)
-        def checked(argv: list[str] | None = None):
+        def checked(*args, **kwargs):
             try:
-                return main(argv)
+                return main(*args, **kwargs)
             except (ValueError, FileNotFoundError) as error:
                 if status == 1:
                     raise SystemExit(f"error: {error}") from None

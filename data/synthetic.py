@@ -91,14 +91,16 @@ def generate_rows(n: int, seed: int = 0, split: str = "train") -> list[dict]:
 
 
 @exit_on_bad_input()
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m data.synthetic", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, generate=generate_rows, module: str = "data.synthetic",
+         description: str = __doc__) -> None:
+    """The command of a row generator `generate(n, seed, split)` (this task's, or data.arithmetic's)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description.splitlines()[0])
     parser.add_argument("--n", type=int, required=True, help="number of rows")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--split", default="train", help="written to extra_info.split")
     parser.add_argument("--out", required=True, help="output .jsonl or .parquet file")
     args = parser.parse_args(argv)
-    rows = generate_rows(args.n, args.seed, args.split)
+    rows = generate(args.n, args.seed, args.split)
     write_rows(rows, Path(args.out))
     print(f"{args.out}: {len(rows)} rows (seed {args.seed})")
 

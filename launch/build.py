@@ -3,6 +3,7 @@ reference, the engine and where the batches come from, the checkpointer and the 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from models.logprobs import sampleable_vocab_size
 from models.lora import apply_lora
 from models.precision import compute_in
 from rollout.hf_engine import HFEngine
+from rollout.search import INDEX_ENV
 from rollout.tools import Tools
 from rollout.vllm_engine import VLLMEngine
 
@@ -69,6 +71,8 @@ def build_engine(cfg: Config, target: Target, model_dir: Path, tokenizer, *, dev
 def build_tools(cfg: Config, tokenizer) -> Tools | None:
     """The multi-turn turn loop over rollout.tools (rollout/tools.py), or None for single-turn rollouts."""
     roll = cfg.rollout
+    if roll.search_index is not None:
+        os.environ[INDEX_ENV] = roll.search_index  # read by the search tool, in whichever thread runs it
     return Tools(tokenizer, roll.tools, max_turns=roll.max_turns, timeout_s=roll.tool_timeout_s) if roll.tools else None
 
 

@@ -129,6 +129,16 @@ def test_a_multi_turn_sft_target_is_laid_out_as_a_rollout(tokenizer):
             sft_target(tokenizer, bad)
 
 
+def test_sft_trains_the_models_turns_only(tokenizer):
+    from grpo.trainer import sft_batch
+
+    examples = [([1, 2], *sft_target(tokenizer, row["extra_info"]["target"])) for row in generate_rows(2, seed=4)]
+    batch = sft_batch(examples, pad_id=0)
+    for row, (_, ids, mask) in enumerate(examples):
+        assert batch["completion_mask"][row, :len(ids)].tolist() == mask and 0 in mask
+        assert batch["completion_mask"][row, len(ids):].sum() == 0
+
+
 def test_tool_tokens_carry_no_loss_advantage_or_gradient():
     """Batch.mask is 0 on tool tokens; the loss, advantages and gradient at those positions are 0, and changing
     the tool tokens' logprobs or advantages changes nothing."""
@@ -238,3 +248,50 @@ def test_a_tool_run_trains_and_logs_its_turns(tmp_path, tiny_model_dir, monkeypa
         assert m["tool_timeouts"] == 0 and m["grad_norm"] > 0
     sample = json.loads((run_dir / "samples.jsonl").read_text().splitlines()[0])
     assert "\ntool\nerror: the tool call is not valid JSON" in sample["completion"]
+
+
+@pytest.fixture(scope="module")
+def scifact_search(shared_data, tmp_path_factory):
+    """SciFact rows without abstracts (data.scifact --search) and the search index over the whole corpus."""
+    from data.scifact import main as convert
+    from rollout.search import build_index
+
+    root = tmp_path_factory.mktemp("scifact_search")
+    convert(["--input", str(shared_data / "scifact"), "--out", str(root), "--search"])
+    assert build_index(shared_data / "scifact" / "corpus.jsonl", root / "index") > 40_000
+    return root
+
+
+def test_search_returns_corpus_sentences_with_their_ids(scifact_search, shared_data, monkeypatch):
+    from data.scifact import load_corpus
+    from rollout.search import INDEX_ENV, TOP_K, search
+
+    monkeypatch.setenv(INDEX_ENV, str(scifact_search / "index"))
+    corpus = load_corpus(shared_data / "scifact" / "corpus.jsonl")
+    doc_id, document = next(iter(corpus.items()))
+    hits = search(document["abstract"][1]).splitlines()
+    assert len(hits) == TOP_K and hits[0] == f"[doc {doc_id}, sentence 1] {' '.join(document['abstract'][1].split())}"
+    assert search("the of and") == "no results: the query has no searchable words"
+    row = json.loads((scifact_search / "train.jsonl").read_text().splitlines()[0])
+    prompt = row["prompt"][0]["content"]
+    assert prompt.startswith(f"Claim: {row['prompt'][0]['content'].splitlines()[0][7:]}") and '"search"' in prompt
+    assert "Title:" not in prompt and "[0]" not in prompt  # the abstract is left out: the model has to search
+
+
+def test_veriseek_search_recipe_checks_on_both_targets(scifact_search, tiny_model_dir, tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from launch.train import main
+
+    recipe = Path(__file__).resolve().parents[1] / "launch" / "configs" / "veriseek_search.yaml"
+    data = [f"data.train_files=['{scifact_search / 'train.jsonl'}']", f"data.eval_files=['{scifact_search / 'dev.jsonl'}']",
+            f"rollout.search_index={scifact_search / 'index'}", f"trainer.out_dir={tmp_path}"]
+    qwen = Path(__file__).resolve().parent / "data" / "models" / "qwen3-4b" / "config.json"
+    assert main(["--config", str(recipe), "--dry-run", "--device", "cuda", "--world-size", "2", "--gpu-memory-gib",
+                 "80", "--model-config", str(qwen), *data]) == 0
+    assert main(["--config", str(recipe), "--dry-run", f"model.name_or_path={tiny_model_dir}",
+                 "model.param_dtype=float32", *data]) == 0
+    assert main(["--config", str(recipe), "--dry-run", f"model.name_or_path={tiny_model_dir}",
+                 "model.param_dtype=float32", *data[:2], "rollout.search_index=null"]) == 2
+    assert main(["--config", str(recipe), "--dry-run", f"model.name_or_path={tiny_model_dir}",
+                 "model.param_dtype=float32", *data[:2], f"rollout.search_index={tmp_path}"]) == 2
