@@ -77,9 +77,9 @@ def flash_attn_installed() -> bool:
     try:
         from flash_attn import flash_attn_varlen_func  # noqa: F401
     except ImportError as error:
+        # --no-build-isolation: flash-attn builds against the torch installed, which pip's isolation would hide.
         raise ImportError(f"flash-attn is installed but does not import ({error}); reinstall it for this torch "
-                          "(pip install flash-attn --no-build-isolation: it builds against the torch installed) or "
-                          "uninstall it to use sdpa") from None
+                          "(pip install flash-attn --no-build-isolation) or uninstall it to use sdpa") from None
     return True
 
 
