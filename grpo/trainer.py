@@ -150,11 +150,7 @@ def step_metrics(batch, rewards: Tensor, group_size: int, updates: list[dict], t
     """Everything one step logs. rewards: [B] the advantages' (penalties included); `updates`: one dict per
     micro-batch update, epoch 0 first. Per-update metrics come from the updates that trained on some token (a
     micro-batch of filler groups has no ratio); a rank with none reports NaN, which reduce_metrics skips."""
-    lengths = batch.lengths
-    truncated = [c.finish_reason == "length" for c in batch.completions]
-    tokens = sum(u["tokens"] for u in updates)
     trained = [u for u in updates if u["tokens"] > 0]
-    total_time = sum(times.values())
     metrics = {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
@@ -164,14 +160,14 @@ def step_metrics(batch, rewards: Tensor, group_size: int, updates: list[dict], t
         "gen_rounds": float(batch.rounds),
         "staleness": float(step - batch.policy_version),  # 0 on-policy; 1 one step off (rollout.placement=separate)
         "shaped_token_frac": float(masked_mean((batch.token_shaping != 0).float(), batch.mask)),  # sentence reward on?
-        "truncation_rate": sum(truncated) / len(truncated),
-        "response_length_mean": float(lengths.mean()),
-        "response_length_max": float(lengths.max()),
+        "truncation_rate": sum(c.finish_reason == "length" for c in batch.completions) / len(batch.completions),
+        "response_length_mean": float(batch.lengths.mean()),
+        "response_length_max": float(batch.lengths.max()),
         "grad_norm": grad_norm,
         "lr": lr,
         "skipped": skipped,
-        "tokens_per_s": float(lengths.sum()) / max(total_time, 1e-9),
-        "trained_tokens": tokens,
+        "tokens_per_s": float(batch.lengths.sum()) / max(sum(times.values()), 1e-9),
+        "trained_tokens": sum(u["tokens"] for u in updates),
         **{f"time_{k}": v for k, v in times.items()},
     }
     for key in ("clip_frac_upper", "clip_frac_lower", "clip_frac_dual", "approx_kl", "ratio_mean", "entropy",
