@@ -12,7 +12,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -54,27 +54,28 @@ def phase(name: str, step: int | None, times: dict | None = None):
         times[name] = times.get(name, 0.0) + time.perf_counter() - started
 
 
-def _expire(what: Callable[[], str], limit: str) -> None:
-    print(f"error: {what()} did not finish within {limit}: ending the run (exit code {EXIT_STALLED}); the stack "
-          "of every thread follows", file=sys.stderr, flush=True)
+def _expire(step: int, rank: int, seconds: float) -> None:
+    print(f"error: weight sync (phase: sync) at step {step} on rank {rank} did not finish within "
+          f"rollout.sync_timeout_s={seconds:g} s: ending the run (exit code {EXIT_STALLED}); the stack of every thread "
+          "follows", file=sys.stderr, flush=True)
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     os._exit(EXIT_STALLED)  # the stalled thread cannot be unwound; checkpoints already written stay complete
 
 
 @contextmanager
-def deadline(seconds: float, limit: str, what: Callable[[], str]):
-    """Work that can stall where no exception reaches it (a weight sync blocked inside a C call): past `seconds` a
-    timer prints what() stalled, `limit` (e.g. "rollout.sync_timeout_s=60 s") and every thread's stack, and ends
-    the process with EXIT_STALLED; under torchrun the other ranks then fail at their next collective."""
-    timer = threading.Timer(seconds, _expire, args=(what, limit))
+def sync_deadline(seconds: float, step: int, rank: int):
+    """A weight sync, which can stall where no exception reaches it (blocked inside a C call): past `seconds`
+    (rollout.sync_timeout_s) a timer prints that the sync of `step` on `rank` stalled and every thread's stack, and
+    ends the process with EXIT_STALLED; under torchrun the other ranks then fail at their next collective."""
+    timer = threading.Timer(seconds, _expire, args=(step, rank, seconds))
     timer.daemon = True
     timer.start()
     try:
         yield
     finally:
         timer.cancel()
-        # Joined: a daemon timer thread winding down during interpreter finalization could drop the last reference
-        # to `what`'s closure (and the run's tensors), ending a finished run in std::terminate (SIGABRT).
+        # Joined: no timer thread may be left winding down during interpreter finalization (one that held the last
+        # reference to the run's tensors once ended a finished run in std::terminate, SIGABRT).
         timer.join()
 
 
@@ -251,9 +252,7 @@ def train_rl(parts: Parts, dist) -> dict:
             result = update(parts, prepared, dist, step=step, skips=skips)
             skips = result.skips
             parts.policy.scheduler.step()
-        with phase("sync", step + 1, times), deadline(
-                cfg.rollout.sync_timeout_s, f"rollout.sync_timeout_s={cfg.rollout.sync_timeout_s:g} s",
-                lambda: f"weight sync (phase: sync) at step {step + 1} on rank {dist.rank}"):
+        with phase("sync", step + 1, times), sync_deadline(cfg.rollout.sync_timeout_s, step + 1, dist.rank):
             sync_info = parts.rollout.sync_weights()
 
         metrics = reduce_metrics(step_metrics(batch, prepared.rewards, cfg.rollout.n, result.records, times,

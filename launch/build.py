@@ -13,7 +13,7 @@ import torch
 
 from grpo.config import Config, ConfigError
 from grpo.groups import LocalRollout, PromptSampler, Scorer
-from grpo.trainer import Parts, Policy, deadline, train_rl, train_sft
+from grpo.trainer import Parts, Policy, sync_deadline, train_rl, train_sft
 from grpo.update import lr_factor
 from launch.checkpointing import Checkpointer
 from launch.dist import DistInfo, keep_freed_memory
@@ -207,8 +207,7 @@ def _training(cfg: Config, dist: DistInfo, prepared: Prepared, run_dir: Path, sc
         except (OSError, ValueError) as error:
             raise ConfigError(f"resuming from {prepared.latest}: {error}") from None
     if rollout is not None:
-        with deadline(cfg.rollout.sync_timeout_s, f"rollout.sync_timeout_s={cfg.rollout.sync_timeout_s:g} s",
-                      lambda: f"weight sync (phase: sync) at step {checkpoints.step} on rank {dist.rank}"):
+        with sync_deadline(cfg.rollout.sync_timeout_s, checkpoints.step, dist.rank):
             if dist.role == "trainer":  # the start broadcast: first step, each replica's position, the weights
                 positions = checkpoints.positions or [0] * dist.world_size
                 rollout.start(checkpoints.start_step, positions[::dist.world_size // cfg.rollout.num_ranks])
