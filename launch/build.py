@@ -68,12 +68,21 @@ def build_engine(cfg: Config, target: Target, model_dir: Path, tokenizer, *, dev
     return HFEngine(model.eval().requires_grad_(False), tokenizer, shared=False, num_threads=cfg.rollout.num_threads)
 
 
-def build_tools(cfg: Config, tokenizer) -> Tools | None:
-    """The multi-turn turn loop over rollout.tools (rollout/tools.py), or None for single-turn rollouts."""
+def _local_rollout(cfg: Config, dist: DistInfo, prepared: Prepared, scorer: Scorer, target: Target, *,
+                   policy: torch.nn.Module | None = None) -> LocalRollout:
+    """This rank's engine and the rollout on it, multi-turn where rollout.tools names tools (rollout/tools.py).
+    policy: the module being trained (None on an engine rank), which the engine generates with or is synced from."""
     roll = cfg.rollout
     if roll.search_index is not None:
         os.environ[INDEX_ENV] = roll.search_index  # read by the search tool, in whichever thread runs it
-    return Tools(tokenizer, roll.tools, max_turns=roll.max_turns, timeout_s=roll.tool_timeout_s) if roll.tools else None
+    engine = build_engine(cfg, target, resolve_model_dir(prepared.source), prepared.tokenizer, device=dist.device,
+                          dp_rank=dist.dp_rank, policy=policy)
+    synced = roll.engine == "vllm" or own_engine_copy(cfg, target)
+    tools = (Tools(prepared.tokenizer, roll.tools, max_turns=roll.max_turns, timeout_s=roll.tool_timeout_s)
+             if roll.tools else None)
+    return LocalRollout(cfg, engine, scorer, dist, rows=prepared.rows if cfg.stage == "rl" else (),
+                        prompt_ids=prepared.prompt_ids, eval_rows=prepared.eval_rows, tools=tools,
+                        eval_prompt_ids=prepared.eval_prompt_ids, policy=policy if synced else None)
 
 
 def build_scorer(cfg: Config, dist: DistInfo, prepared: Prepared) -> tuple[Scorer, object | None]:
@@ -160,11 +169,7 @@ def build(cfg: Config, dist: DistInfo, *, stop_requested: Callable[[], bool] = l
     scorer, pool = build_scorer(cfg, dist, prepared) if dist.role != "trainer" else (None, None)
     try:
         if dist.role == "rollout":  # an engine rank of a separate placement: it only generates and scores
-            engine = build_engine(cfg, Target.here(1), resolve_model_dir(prepared.source), prepared.tokenizer,
-                                  device=dist.device, dp_rank=dist.dp_rank)
-            local = LocalRollout(cfg, engine, scorer, dist, rows=prepared.rows, prompt_ids=prepared.prompt_ids,
-                                 eval_rows=prepared.eval_rows, eval_prompt_ids=prepared.eval_prompt_ids,
-                                 tools=build_tools(cfg, prepared.tokenizer))
+            local = _local_rollout(cfg, dist, prepared, scorer, Target.here(1))
             return Run(serve, local, _finish_serving, cfg, dist, run_dir, reward_pool=pool)
         return _training(cfg, dist, prepared, run_dir, scorer, pool, stop_requested)
     except BaseException:
@@ -180,24 +185,15 @@ def _training(cfg: Config, dist: DistInfo, prepared: Prepared, run_dir: Path, sc
         keep_freed_memory()
     target = Target.here(dist.world_size, torchrun=dist.sharded)
     policy, reference = _policy(cfg, dist, prepared, target)
-    teacher = None
-    if cfg.stage == "rl" and cfg.algorithm.teacher is not None:
-        teacher = _load(cfg, dist, cfg.algorithm.teacher, "algorithm.teacher", target, policy=False)
+    teacher = (_load(cfg, dist, cfg.algorithm.teacher, "algorithm.teacher", target, policy=False)
+               if cfg.stage == "rl" and cfg.algorithm.teacher is not None else None)
     rollout = None
     if dist.role == "trainer":  # the batches come from the engine ranks (launch/separate.py)
         rollout = RemoteRollout(cfg, dist, policy.model, has_held_out=bool(prepared.eval_rows))
     elif cfg.stage == "rl" or prepared.eval_rows:
-        engine = build_engine(cfg, target, resolve_model_dir(prepared.source), prepared.tokenizer,
-                              device=dist.device, dp_rank=dist.dp_rank, policy=policy.model)
-        synced = cfg.rollout.engine == "vllm" or own_engine_copy(cfg, target)
-        rollout = LocalRollout(cfg, engine, scorer, dist, rows=prepared.rows if cfg.stage == "rl" else (),
-                               prompt_ids=prepared.prompt_ids, eval_rows=prepared.eval_rows,
-                               eval_prompt_ids=prepared.eval_prompt_ids, policy=policy.model if synced else None,
-                               tools=build_tools(cfg, prepared.tokenizer))
-    sampler = None
-    if cfg.stage == "sft":  # SFT reads its examples in an order of its own
-        sampler = PromptSampler(len(prepared.rows), seed=cfg.seed, rank=dist.dp_rank, world_size=dist.dp_size,
-                                shuffle=cfg.data.shuffle)
+        rollout = _local_rollout(cfg, dist, prepared, scorer, target, policy=policy.model)
+    sampler = PromptSampler(len(prepared.rows), seed=cfg.seed, rank=dist.dp_rank, world_size=dist.dp_size,
+                            shuffle=cfg.data.shuffle) if cfg.stage == "sft" else None  # SFT's own example order
     # What holds this rank's data position: the SFT order, the local sampler, or the serving replica's position.
     position = sampler or (rollout if dist.role == "trainer" else rollout.sampler)
     checkpoints = Checkpointer(cfg, run_dir, policy, prepared.tokenizer, position, dist, stop_requested=stop_requested)
@@ -223,11 +219,9 @@ def _training(cfg: Config, dist: DistInfo, prepared: Prepared, run_dir: Path, sc
         log.info(f"resumed from {prepared.latest} (step {start} of {cfg.trainer.steps})")
     if cfg.stage == "rl":  # the separate placement's trainers are its data-parallel shares
         log.info(describe_batch(step_batch(cfg, dist.dp_size)))
-    tokenizer = prepared.tokenizer
-    parts = Parts(cfg=cfg, policy=policy, rollout=rollout, log=log, checkpoints=checkpoints,
-                  pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-                  vocab_size=sampleable_vocab_size(policy.model, tokenizer), reference=reference,
-                  teacher=teacher, examples=prepared.examples, sampler=sampler)
+    parts = Parts(cfg=cfg, policy=policy, rollout=rollout, log=log, checkpoints=checkpoints, reference=reference,
+                  teacher=teacher, sampler=sampler, pad_id=prepared.tokenizer.pad_token_id,  # EOS if it had none
+                  vocab_size=sampleable_vocab_size(policy.model, prepared.tokenizer), examples=prepared.examples)
     return Run(train_sft if cfg.stage == "sft" else train_rl, parts, _finish_training, cfg, dist, run_dir,
                checkpoints, log, pool)
 
