@@ -39,13 +39,10 @@ class PromptSampler:
         return torch.randperm(self.num_rows, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
 
     def next(self, count: int) -> list[int]:
-        per_epoch = self.num_rows // self.world_size
-        out = []
-        for _ in range(count):
-            epoch, offset = divmod(self.position, per_epoch)
-            out.append(self._order(epoch)[offset * self.world_size + self.rank])
-            self.position += 1
-        return out
+        per_epoch, start = self.num_rows // self.world_size, self.position
+        self.position += count
+        return [self._order(p // per_epoch)[p % per_epoch * self.world_size + self.rank]
+                for p in range(start, self.position)]
 
 
 CORRECTNESS_KEYS = ("acc", "correct", "answer")  # first component found is the 0/1 correctness
@@ -233,13 +230,10 @@ class LocalRollout:
                        else self.tools.generate(self.engine, prompts, rows, **request))
         batch_rows = [self.rows[i] for i in indices for _ in range(group_size)]
         scores = self.scorer.score([c.text for c in completions], [c.completion_ids for c in completions], batch_rows)
-        groups = []
-        for p in range(len(indices)):
-            span = slice(p * group_size, (p + 1) * group_size)
-            width = max(len(c.completion_ids) for c in completions[span])
-            groups.append(Group(completions[span], batch_rows[span], scores.rewards[span], scores.correct[span],
-                                scores.token_shaping[span, :width], {k: v[span] for k, v in scores.components.items()}))
-        return groups
+        spans = [slice(p * group_size, (p + 1) * group_size) for p in range(len(indices))]
+        return [Group(completions[span], batch_rows[span], scores.rewards[span], scores.correct[span],
+                      scores.token_shaping[span, :max(len(c.completion_ids) for c in completions[span])],
+                      {k: v[span] for k, v in scores.components.items()}) for span in spans]
 
     def collect_shares(self, seed: int, shares: int) -> list[Batch]:
         """Generate and score until `shares` batches of P = trainer.prompts_per_step groups are full (the ranks of a
