@@ -60,9 +60,7 @@ class MicroBatch:
 
     def take(self, values: Tensor | None) -> Tensor | None:
         """This micro-batch's slice [b, T_mb] of a step-wide [B, T] tensor (None stays None)."""
-        if values is None:
-            return None
-        return values[self.rows, : self.inputs["completion_mask"].shape[1]]
+        return None if values is None else values[self.rows, : self.inputs["completion_mask"].shape[1]]
 
 
 @dataclass(frozen=True)
@@ -162,8 +160,7 @@ def prepare(parts, batch: Batch, dist) -> Prepared:
     """What the update trains on: its plan, the old, reference and teacher logprobs (once per rollout, before any
     update, in eval mode: the engines sample without dropout), the rewards with their penalties (DAPO's overlong
     shaping, verl's KL in the reward) and the advantages (with the teacher's signal). parts: grpo.trainer.Parts."""
-    cfg, model = parts.cfg, parts.policy.model
-    algo = cfg.algorithm
+    cfg, model, algo = parts.cfg, parts.policy.model, parts.cfg.algorithm
     to_device = lambda reduce: lambda t: reduce(t.to(dist.device)).cpu()  # noqa: E731
     mini_batches = plan_update(batch.completions, batch.mask, cfg, dist.world_size, parts.pad_id,
                                all_reduce_sum=to_device(dist.all_reduce_sum),
