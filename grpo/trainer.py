@@ -310,10 +310,9 @@ def train_sft(parts: Parts, dist) -> dict:
             grad_norm, skips = optimizer_step(parts.policy, cfg, dist, log, step=step, loss=loss_sum, skips=skips)
             parts.policy.scheduler.step()
         elapsed = time.perf_counter() - started
-        loss_value = float(dist.all_reduce_sum(torch.tensor(loss_sum, dtype=torch.float64, device=dist.device)))
-        metrics = {"loss": loss_value, "grad_norm": grad_norm, "lr": lr, "skipped": float(skips > 0),
-                   "tokens": float(num_tokens), "tokens_per_s": float(num_tokens) / dist.world_size / elapsed,
-                   "time_step": elapsed}
+        metrics = {"loss": float(dist.all_reduce_sum(torch.tensor(loss_sum, dtype=torch.float64, device=dist.device))),
+                   "grad_norm": grad_norm, "lr": lr, "skipped": float(skips > 0), "tokens": float(num_tokens),
+                   "tokens_per_s": float(num_tokens) / dist.world_size / elapsed, "time_step": elapsed}
         metrics.update(held_out(parts, step + 1, start, results, sync=True))
         log.metrics(step + 1, metrics, postfix_keys=("loss",))
         if parts.checkpoints.end_step(step + 1):  # a stop request: stop at a step boundary (consistent state)
