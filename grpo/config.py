@@ -40,15 +40,22 @@ class Range:
         return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
 
 
-def choice(default: str, choices: tuple[str, ...]):
-    """A string field whose value must be one of `choices`."""
-    return field(default=default, metadata={"choices": choices})
+# The metadata of a setting a resume may change without naming it in trainer.resume_changes (choice and bounded
+# take free=True): how the run is executed, evaluated, logged and checkpointed, and its length; every other setting
+# defines what the checkpoint's run trains (resume_differences).
+FREE = {"resume_free": True}
+
+
+def choice(default: str, choices: tuple[str, ...], *, free: bool = False):
+    """A string field whose value must be one of `choices`; free: a resume may change it (FREE)."""
+    return field(default=default, metadata={"choices": choices, "resume_free": free})
 
 
 def bounded(default, low: float | None = None, high: float | None = None, *, low_open: bool = False,
-            high_open: bool = False):
-    """A numeric field (a list: each element) within Range(low, high, ...); None, where the type allows it, is "off"."""
-    metadata = {"range": Range(low, high, low_open, high_open)}
+            high_open: bool = False, free: bool = False):
+    """A numeric field (a list: each element) within Range(low, high, ...); None, where the type allows it, is "off";
+    free: a resume may change it (FREE)."""
+    metadata = {"range": Range(low, high, low_open, high_open), "resume_free": free}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -100,11 +107,11 @@ class ModelConfig(Section):
     """Compute dtype (FSDP2 mixed precision under torchrun, autocast in one process); gradients in float32."""
     attn_implementation: str = choice("auto", ("auto", "sdpa", "eager", "flash_attention_2"))
     """auto (flash_attention_2 on CUDA with flash-attn and a half compute dtype, else sdpa), sdpa or eager."""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = field(default=False, metadata=FREE)
     """Recompute activations in backward to save memory."""
     trust_remote_code: bool = False
     """Run code shipped with a model directory. Off unless you trust it."""
-    logprob_chunk_size: int = bounded(1024, 1)
+    logprob_chunk_size: int = bounded(1024, 1, free=True)
     """Completion positions projected to the vocabulary at once in logprob passes (bounds peak memory)."""
     packed_logprobs: bool = False
     """Padding-free logprob passes (each distinct prompt once, every completion at its length); sdpa / flash only."""
@@ -117,9 +124,9 @@ class DataConfig(Section):
     KEY = "data."
     train_files: list[str] = field(default_factory=list)
     """Row files (JSONL or Parquet, verl format) to train on."""
-    eval_files: list[str] = field(default_factory=list)
+    eval_files: list[str] = field(default_factory=list, metadata=FREE)
     """Held-out row files scored greedily at the start and the end of the run."""
-    eval_size: int = bounded(0, 0)
+    eval_size: int = bounded(0, 0, free=True)
     """Rows taken from eval_files (0: all)."""
     shuffle: bool = True
     """Shuffle training rows every epoch (seeded)."""
@@ -148,9 +155,9 @@ class RewardConfig(Section):
     """Greedy tokens the extractor LM may write per sentence (one `head | relation | tail` line)."""
     cooccurrence_semantics: str = choice("engine", SEMANTICS)
     """factqa_corpus window: engine (infini-gram's count_cnf, the paper's) or document (docs/recipes.md)."""
-    num_workers: int = bounded(0, 0)
+    num_workers: int = bounded(0, 0, free=True)
     """Reward worker processes scoring a step's completions concurrently (0: in the training process)."""
-    timeout_s: float | None = bounded(None, 0, low_open=True)
+    timeout_s: float | None = bounded(None, 0, low_open=True, free=True)
     """Seconds a reward call may take in a worker before the run ends naming the row; null waits forever."""
 
 
@@ -179,20 +186,20 @@ class RolloutConfig(Section):
     """Seconds a tool call may run before the model is told that it timed out (and the trajectory goes on)."""
     search_index: str | None = None
     """The `search` tool's index directory (`python -m rollout.search --corpus corpus.jsonl --out DIR`)."""
-    num_threads: int | None = bounded(None, 1)
+    num_threads: int | None = bounded(None, 1, free=True)
     """torch threads while the transformers engine generates (null: torch's; 1 is faster on a busy CPU)."""
-    sync_bucket_mb: int = bounded(1024, 1)
+    sync_bucket_mb: int = bounded(1024, 1, free=True)
     """Weight-sync bucket size into the engine."""
-    sync_timeout_s: float = bounded(1800.0, 0, low_open=True)
+    sync_timeout_s: float = bounded(1800.0, 0, low_open=True, free=True)
     """Seconds a weight sync may take; past it the rank ends naming the phase, step and rank (exit code 124)."""
-    vllm_kv_cache_mb: int = bounded(256, 1)
+    vllm_kv_cache_mb: int = bounded(256, 1, free=True)
     """vLLM's KV cache on CPU (kv_cache_memory_bytes); on GPUs vllm_gpu_memory_utilization sizes it."""
-    vllm_gpu_memory_utilization: float | None = bounded(None, 0, 1, low_open=True)
+    vllm_gpu_memory_utilization: float | None = bounded(None, 0, 1, low_open=True, free=True)
     """Fraction of GPU memory vLLM may take; null: 0.4 beside a trainer (colocated), 0.85 on a rollout rank's own
     GPU (placement=separate)."""
     max_model_len: int | None = bounded(None, 1)
     """vLLM's context; null: data.max_prompt_tokens plus the longest completion the run asks for."""
-    enforce_eager: bool | None = None
+    enforce_eager: bool | None = field(default=None, metadata=FREE)
     """vLLM without CUDA graphs; null: eager on CPU, CUDA graphs on GPUs."""
     placement: str = choice("colocated", ("colocated", "separate"))
     """colocated: every rank generates, then trains; separate: the last num_ranks ranks only generate (separate.py)."""
@@ -284,7 +291,7 @@ class OptimConfig(Section):
 @dataclass(frozen=True)
 class TrainerConfig(Section):
     KEY = "trainer."
-    steps: int = bounded(10, 1)
+    steps: int = bounded(10, 1, free=True)
     """Training steps (RL: one rollout each)."""
     prompts_per_step: int = bounded(2, 1)
     """P: prompts per rank per step (each rank owns whole groups)."""
@@ -296,49 +303,49 @@ class TrainerConfig(Section):
     """SFT: examples per step per rank."""
     sft_max_len: int = bounded(1024, 1)
     """SFT: longer examples fail at start-up."""
-    checkpoint: str = choice("full", ("full", "weights", "none"))
+    checkpoint: str = choice("full", ("full", "weights", "none"), free=True)
     """full (weights, optimizer, RNG: resumable), weights (HF model or LoRA adapter: for init_from, eval), or none."""
-    save_every: int = bounded(0, 0)
+    save_every: int = bounded(0, 0, free=True)
     """Checkpoint every N steps (0: only at the end)."""
-    keep_last: int = bounded(0, 0)
+    keep_last: int = bounded(0, 0, free=True)
     """Keep only the newest K complete checkpoints (0: all)."""
-    resume: str = choice("never", ("never", "auto", "always"))
+    resume: str = choice("never", ("never", "auto", "always"), free=True)
     """never; auto: from the latest complete checkpoint when there is one (torchrun --max-restarts); always."""
-    resume_changes: list[str] = field(default_factory=list)
+    resume_changes: list[str] = field(default_factory=list, metadata=FREE)
     """Settings a resume may change from the run's recorded ones, e.g. [optim.lr]; other differences are refused."""
-    resume_fallback: bool = False
+    resume_fallback: bool = field(default=False, metadata=FREE)
     """A resume whose latest checkpoint is damaged continues from the newest intact one before it (false: refused)."""
-    overwrite: bool = False
+    overwrite: bool = field(default=False, metadata=FREE)
     """A fresh run in a directory holding an earlier run's checkpoints removes them first (false: refused)."""
-    collective_timeout_s: float = bounded(1800.0, 0, low_open=True)
+    collective_timeout_s: float = bounded(1800.0, 0, low_open=True, free=True)
     """Seconds a collective may wait for the other ranks before the run fails naming phase, step and rank."""
-    nccl_blocking_wait: bool = False
+    nccl_blocking_wait: bool = field(default=False, metadata=FREE)
     """NCCL only: a timed-out collective raises in the calling thread, naming phase, step and rank, but collectives
     then spin the CPU (TORCH_NCCL_BLOCKING_WAIT=1) and FSDP2's prefetches stop overlapping compute. Off: NCCL's
     watchdog ends the rank after collective_timeout_s, naming the collective and the rank."""
-    out_dir: str = "runs"
+    out_dir: str = field(default="runs", metadata=FREE)
     """Parent of run directories."""
-    run_name: str = "run"
+    run_name: str = field(default="run", metadata=FREE)
     """out_dir/run_name/ holds config, metrics, samples, checkpoints."""
-    wandb_project: str | None = None
+    wandb_project: str | None = field(default=None, metadata=FREE)
     """Also log every step to this Weights & Biases project (pip install wandb; WANDB_MODE=offline works)."""
-    max_consecutive_skips: int = bounded(3, 1)
+    max_consecutive_skips: int = bounded(3, 1, free=True)
     """Stop after this many optimizer steps skipped for a non-finite loss or gradient."""
-    warn_after_steps: int = bounded(3, 1)
+    warn_after_steps: int = bounded(3, 1, free=True)
     """Warn when truncation or flat groups stay above their threshold this many steps in a row."""
-    warn_truncation: float = bounded(0.5, 0, 1)
+    warn_truncation: float = bounded(0.5, 0, 1, free=True)
     """Truncation-rate threshold for the warning."""
-    warn_flat_groups: float = bounded(0.9, 0, 1)
+    warn_flat_groups: float = bounded(0.9, 0, 1, free=True)
     """Flat-group-fraction threshold for the warning."""
-    eval_every: int = bounded(0, 0)
+    eval_every: int = bounded(0, 0, free=True)
     """Also score the held-out rows every N steps into metrics.jsonl (eval/*, with 95% intervals); 0: not between."""
-    eval_before: bool = True
+    eval_before: bool = field(default=True, metadata=FREE)
     """Score the held-out rows before the first step (and after the last one in any case)."""
-    eval_max_new_tokens: int = bounded(0, 0)
+    eval_max_new_tokens: int = bounded(0, 0, free=True)
     """Held-out evaluation length (0: rollout.max_new_tokens)."""
-    eval_batch_size: int = bounded(16, 1)
+    eval_batch_size: int = bounded(16, 1, free=True)
     """Held-out prompts completed at once (larger: faster per prompt, more KV-cache memory)."""
-    keep_freed_memory: bool = True
+    keep_freed_memory: bool = field(default=True, metadata=FREE)
     """CPU: glibc keeps freed memory for reuse, so large tensors are not page-faulted in every step."""
 
 
@@ -363,21 +370,8 @@ class Config(Section):
         return self.trainer.eval_max_new_tokens or self.rollout.max_new_tokens
 
 
-# What a resume may change without naming it in trainer.resume_changes: how the run is executed, evaluated, logged
-# and checkpointed, and its length; every other setting defines what the checkpoint's run trains.
-RESUME_FREE = ("trainer.steps", "trainer.resume", "trainer.resume_changes", "trainer.resume_fallback",
-               "trainer.overwrite", "trainer.checkpoint", "trainer.save_every", "trainer.keep_last",
-               "trainer.collective_timeout_s", "trainer.nccl_blocking_wait", "trainer.out_dir", "trainer.run_name",
-               "trainer.wandb_project", "trainer.max_consecutive_skips", "trainer.warn_after_steps",
-               "trainer.warn_truncation", "trainer.warn_flat_groups", "trainer.eval_every", "trainer.eval_before",
-               "trainer.eval_max_new_tokens", "trainer.eval_batch_size", "trainer.keep_freed_memory",
-               "rollout.num_threads", "rollout.sync_bucket_mb", "rollout.sync_timeout_s", "rollout.vllm_kv_cache_mb",
-               "rollout.vllm_gpu_memory_utilization", "rollout.enforce_eager", "reward.num_workers", "reward.timeout_s",
-               "model.gradient_checkpointing", "model.logprob_chunk_size", "data.eval_files", "data.eval_size")
-
-
 def resume_differences(cfg: Config, recorded: dict) -> list[str]:
-    """"key: recorded -> now" for every setting that defines the run (not in RESUME_FREE or trainer.resume_changes)
+    """"key: recorded -> now" for every setting that defines the run (not FREE, not in trainer.resume_changes)
     and differs from `recorded` (a config.yaml the run wrote); ConfigError for a resume_changes name no setting has."""
     def leaves(section, prefix=""):
         for spec in fields(section):
@@ -385,15 +379,15 @@ def resume_differences(cfg: Config, recorded: dict) -> list[str]:
             if isinstance(value, Section):
                 yield from leaves(value, f"{prefix}{spec.name}.")
             else:
-                yield f"{prefix}{spec.name}", value
+                yield f"{prefix}{spec.name}", (value, spec.metadata.get("resume_free", False))
 
     now = dict(leaves(cfg))
     unknown = [key for key in cfg.trainer.resume_changes if key not in now]
     if unknown:
         raise ConfigError(f"trainer.resume_changes: {unknown} name no setting (e.g. optim.lr)")
     differences = []
-    for key, value in now.items():
-        if key in RESUME_FREE or key in cfg.trainer.resume_changes:
+    for key, (value, free) in now.items():
+        if free or key in cfg.trainer.resume_changes:
             continue
         old = recorded
         for part in key.split("."):
