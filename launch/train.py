@@ -45,17 +45,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="continue from the latest complete checkpoint (trainer.resume=always)")
     parser.add_argument("--dry-run", action="store_true",
                         help="check the recipe and data, print it and, last, the plan (launch/plan.py) as JSON; exit")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+    parser.add_argument("--device", choices=("cpu", "cuda"),
                         help="--dry-run: plan for this device instead of this machine's (only settings are checked)")
-    parser.add_argument("--world-size", type=int, default=None,
+    parser.add_argument("--world-size", type=int,
                         help="--dry-run: plan for this many torchrun ranks (default: this launch's)")
     parser.add_argument("--no-flash-attn", action="store_true",
                         help="--dry-run --device cuda: plan for a node without flash-attn")
-    parser.add_argument("--gpu-memory-gib", type=float, default=None,
+    parser.add_argument("--gpu-memory-gib", type=float,
                         help="--dry-run: check the memory estimate against GPUs of this size (default: this GPU's)")
-    parser.add_argument("--model-config", default=None,
-                        help="--dry-run: the model's config.json for the memory estimate, where the recipe's model is "
-                             "not a local directory")
+    parser.add_argument("--model-config", help="--dry-run: the model's config.json for the memory estimate, where the "
+                        "recipe's model is not a local directory")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. optim.lr=1e-6")
     return parser.parse_args(argv)
 
@@ -173,8 +172,7 @@ def _dry_run(cfg: Config, dist: DistInfo, args: argparse.Namespace) -> None:
     model_config = read_model_config(args.model_config or model)  # the model's config.json: memory estimate
     if args.model_config and model_config is None:
         raise ConfigError(f"--model-config: no config.json at {args.model_config}")
-    here_gpu = target.device == "cuda" and torch.cuda.is_available()
-    gpu_gib = args.gpu_memory_gib or (this_gpu_gib() if here_gpu else None)
+    gpu_gib = args.gpu_memory_gib or (this_gpu_gib() if target.device == "cuda" and torch.cuda.is_available() else None)
     plan = run_plan(cfg, target, model, model_config, gpu_gib, read_model_config(cfg.algorithm.teacher))
     if dist.is_main:
         print(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
