@@ -144,10 +144,8 @@ def _policy(cfg: Config, dist: DistInfo, prepared: Prepared, target: Target) -> 
     if not dist.sharded:
         compute_in(model, getattr(torch, cfg.model.param_dtype))  # FSDP2 does this under torchrun
     model.train()  # gradient checkpointing and dropout only act in train mode; engines restore it after generate
-    reference = None
-    if cfg.stage == "rl" and cfg.algorithm.kl_coef > 0:
-        reference = (model if cfg.model.lora.enabled
-                     else _load(cfg, dist, prepared.source, prepared.source_key, target, policy=False))
+    reference = None if cfg.stage != "rl" or cfg.algorithm.kl_coef == 0 else model if cfg.model.lora.enabled else (
+        _load(cfg, dist, prepared.source, prepared.source_key, target, policy=False))
     # fused: one kernel over all parameters (DTensor shards too), faster than the per-parameter loop on CPU.
     optim = cfg.optim
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=optim.lr,
