@@ -50,10 +50,8 @@ CORRECTNESS_KEYS = ("acc", "correct", "answer")  # first component found is the 
 
 def correctness(result: dict, score: float, threshold: float) -> float:
     """1.0 when the first of CORRECTNESS_KEYS in `result` (else the score) is at least `threshold`, else 0.0."""
-    for key in CORRECTNESS_KEYS:
-        if key in result:
-            return float(float(result[key]) >= threshold)
-    return float(score >= threshold)
+    value = next((result[key] for key in CORRECTNESS_KEYS if key in result), score)
+    return float(float(value) >= threshold)
 
 
 def numeric_components(result: dict) -> dict[str, float]:
