@@ -191,7 +191,7 @@ def _dry_run(cfg: Config, dist: DistInfo, args: argparse.Namespace) -> None:
 
 def main(argv=None) -> int:
     """Exit codes: 0 done; 1 failed (RunFailed names the phase, the step and the rank); 2 a config error, found
-    before anything is written; 124 a stalled weight sync (grpo.trainer.deadline); 128 + the signal when stopped
+    before anything is written; 124 a stalled weight sync (grpo.trainer.sync_deadline); 128 + the signal when stopped
     by Ctrl-C (130) or SIGTERM (143) after finishing the step and writing a checkpoint."""
     args, dist = parse_args(argv), None
     try:
