@@ -133,9 +133,8 @@ def _instrument(parts, memory: PhaseMemory, generated: list[dict]) -> tuple:
         memory.enter("reward")
         return completions
 
-    # HFEngine: the prefill of either of its forward paths (rollout.cpu_decode's or the model's own); the rest of
-    # generate is decoding. The classes stay patched until the returned hooks are removed.
-    from rollout.cpu_decode import CPUDecoding
+    # HFEngine: the prefill of its forward path (the model's own); the rest of generate is decoding. The class
+    # stays patched until the returned hooks are removed.
     from rollout.hf_engine import TransformersDecoding
 
     def timed_prefill(decoding):
@@ -150,7 +149,7 @@ def _instrument(parts, memory: PhaseMemory, generated: list[dict]) -> tuple:
         decoding.prefill = prefill
         return SimpleNamespace(remove=lambda: setattr(decoding, "prefill", original))
 
-    patches = [timed_prefill(decoding) for decoding in (CPUDecoding, TransformersDecoding)]
+    patches = [timed_prefill(TransformersDecoding)]
 
     def forward_pre_hook(module, args):
         if in_generate[0]:

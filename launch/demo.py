@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from data.rows import write_rows
+from data.arithmetic import generate_rows as arithmetic_rows
 from data.synthetic import generate_rows
 from grpo.evaluate import summarize
 from grpo.stats import paired_difference
@@ -73,14 +74,17 @@ def main(argv=None) -> int:
     parser.add_argument("--train-rows", type=int, default=800)
     parser.add_argument("--heldout-rows", type=int, default=64)
     parser.add_argument("--heldout-seed", type=int, default=1, help="generator seed of the held-out rows (not 0)")
+    parser.add_argument("--task", choices=("evidence", "tools"), default="evidence", help="tools: the arithmetic "
+                        "task with a calculator (data.arithmetic): SFT on tool trajectories, then GRPO (no base arm)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides applied to every arm")
     args = parser.parse_args(argv)
     if args.heldout_seed == 0:
         parser.error("--heldout-seed 0 is the training rows' seed: held-out rows need a seed of their own")
     out = Path(args.out)
     train_file, heldout_file = out / "data" / "train.jsonl", out / "data" / "heldout.jsonl"
-    write_rows(generate_rows(args.train_rows, seed=0, split="train"), train_file)
-    write_rows(generate_rows(args.heldout_rows, seed=args.heldout_seed, split="heldout"), heldout_file)
+    generate = arithmetic_rows if args.task == "tools" else generate_rows
+    write_rows(generate(args.train_rows, seed=0, split="train"), train_file)
+    write_rows(generate(args.heldout_rows, seed=args.heldout_seed, split="heldout"), heldout_file)
     common = [f"data.train_files=['{train_file}']", f"data.eval_files=['{heldout_file}']",
               f"trainer.out_dir={out.parent}"]
     dist = init_distributed()
@@ -98,6 +102,16 @@ def main(argv=None) -> int:
         results[name] = summary
         return cfg, summary
 
+    if args.task == "tools":  # the base model never calls the tool: no GRPO-from-base arm
+        sft_cfg, sft = arm("sft", "tools_sft.yaml")
+        checkpoint = out / "sft" / "checkpoints" / f"step_{sft_cfg.trainer.steps}"
+        rl_cfg, rl = arm("grpo", "tools_grpo.yaml", f"init_from={checkpoint}")
+        report = table([("base model", sft["before"], None, None),
+                        (f"SFT ({sft_cfg.trainer.steps} steps)", sft["after"], "base", sft["before"]),
+                        (f"SFT + GRPO ({rl_cfg.trainer.steps} steps)", rl["after"], "SFT", sft["after"])])
+        (out / "summary.md").write_text(report + "\n")
+        print(f"\n{report}\n")
+        return 0
     sft_cfg, sft = arm("sft", "demo_sft.yaml")  # scores the base model before its first step
     base_cfg, base_grpo = arm("base_grpo", "demo_base.yaml", "trainer.eval_before=false")
     sft_checkpoint = out / "sft" / "checkpoints" / f"step_{sft_cfg.trainer.steps}"

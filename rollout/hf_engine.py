@@ -2,7 +2,7 @@
 
 Why not `model.generate`: the loop needs the logprob of each sampled token under exactly the distribution it
 was drawn from, nothing read from the model's generation_config, and finished rows leaving the batch so that
-long-tail completions do not pay for short ones. The forward passes: `TransformersDecoding`, or rollout.cpu_decode."""
+long-tail completions do not pay for short ones. The forward passes: `TransformersDecoding`."""
 from __future__ import annotations
 
 from typing import Iterable, Sequence
@@ -12,7 +12,6 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from models.logprobs import evaluating, pad_batch, sampleable_vocab_size
-from rollout.cpu_decode import CPUDecoding, supported
 from rollout.engine import Completion, Engine, completion_text, oom_explained, torch_threads, validate_request
 
 
@@ -77,8 +76,7 @@ class HFEngine(Engine):
         lengths, stopped = budget.clone(), torch.zeros(batch_size, dtype=torch.bool, device=device)
         active = torch.arange(batch_size, device=device)  # batch row -> completion index
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)
-        decoding = (CPUDecoding(self.model, len(prompts), n, steps) if supported(self.model)
-                    else TransformersDecoding(self.model, n))
+        decoding = TransformersDecoding(self.model, n)
         logits = decoding.prefill(input_ids, attention_mask, position_ids)
         positions = position_ids[:, -1:].repeat_interleave(n, dim=0)
         for step in range(steps):
@@ -129,7 +127,7 @@ class HFEngine(Engine):
 
 class TransformersDecoding:
     """One generate call's forward passes through the model's own forward on a transformers DynamicCache (any
-    architecture, device and attention implementation); the interface of rollout.cpu_decode.CPUDecoding."""
+    architecture, device and attention implementation)."""
 
     def __init__(self, model: torch.nn.Module, n: int):
         self.model, self.n, self.cache = model, n, DynamicCache(config=model.config)

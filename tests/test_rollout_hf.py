@@ -67,8 +67,7 @@ def test_update_weights_copies_by_name_unless_shared(tokenizer):
 def test_each_prompt_is_prefilled_once(tokenizer):
     model = tiny_model()
     batch_shapes = []
-    # The embedding sees every forward: the prefill and each decode step (rollout.cpu_decode calls the decoder's
-    # modules itself).
+    # The embedding sees every forward: the prefill and each decode step.
     model.model.embed_tokens.register_forward_hook(
         lambda module, args, output: batch_shapes.append(tuple(output.shape)))
     completions = sample(HFEngine(model, tokenizer, eos_token_ids=[]), n=3, max_new_tokens=2)
