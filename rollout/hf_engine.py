@@ -107,22 +107,16 @@ class HFEngine(Engine):
                 for index, (ids, row_logprobs, length, row_stopped) in enumerate(rows)]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """Copy HF-named full tensors into the engine's own model (a no-op when it shares the policy)."""
+        """Copy HF-named full tensors (parameters, and the persistent buffers models.fsdp.full_state_dict streams
+        beside them) into the engine's own model by load_state_dict, which names a tensor of the wrong shape and
+        both shapes; a no-op when the engine shares the policy."""
         if self.shared:
             for _ in named_tensors:  # consume the stream: a distributed producer may depend on it
                 pass
             return
-        # Persistent buffers too: models.fsdp.full_state_dict streams them beside the parameters.
-        parameters = dict(self.model.named_parameters(remove_duplicate=False))
-        parameters.update(self.model.named_buffers())
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                if name not in parameters:
-                    raise ValueError(f"update_weights: the engine's model has no parameter named {name!r}")
-                if parameters[name].shape != tensor.shape:
-                    raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the engine's model "
-                                     f"expects {tuple(parameters[name].shape)}")
-                parameters[name].copy_(tensor)
+        unknown = self.model.load_state_dict(dict(named_tensors), strict=False).unexpected_keys
+        if unknown:
+            raise ValueError(f"update_weights: the engine's model has no parameter named {unknown[0]!r}")
 
 
 class TransformersDecoding:
