@@ -141,11 +141,8 @@ def torch_threads(num_threads: int | None):
     """Run an engine call at `num_threads` torch threads (None: as they are), then restore the caller's count and
     `torch.set_num_threads` (an in-process vLLM CPU worker replaces it with a no-op). Token-by-token decoding is many
     small parallel regions that on a busy CPU wait for descheduled OpenMP workers: one thread can be much faster."""
-    if num_threads is None:
-        yield
-        return
     set_num_threads, caller_threads = torch.set_num_threads, torch.get_num_threads()
-    set_num_threads(num_threads)
+    set_num_threads(caller_threads if num_threads is None else num_threads)
     try:
         yield
     finally:
