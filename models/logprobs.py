@@ -139,11 +139,9 @@ def prompt_groups(input_ids: Tensor, attention_mask: Tensor, prompt_len: int) ->
     # The mask joins the ids so a real token equal to pad_id is not taken for padding.
     prompts = torch.cat([input_ids[:, :prompt_len], attention_mask[:, :prompt_len]], dim=1)
     _, inverse = torch.unique(prompts, dim=0, return_inverse=True)
-    rows = torch.arange(len(prompts), device=prompts.device)
-    first = torch.full((int(inverse.max()) + 1,), len(prompts), device=prompts.device).scatter_reduce(
-        0, inverse, rows, reduce="amin")
-    order = first.argsort()  # number prompts by first appearance, so rows keep their order
-    return first[order], order.argsort()[inverse]  # argsort of a permutation: its inverse
+    first = (inverse[:, None] == inverse[None, :]).int().argmax(dim=1)  # [B]: the first row of each row's prompt
+    unique_rows = first.unique()  # ascending: prompts numbered by first appearance, so rows keep their order
+    return unique_rows, torch.searchsorted(unique_rows, first)
 
 
 @dataclass(frozen=True)
