@@ -80,8 +80,7 @@ class HFEngine(Engine):
         logits = decoding.prefill(input_ids, attention_mask, position_ids)
         positions = position_ids[:, -1:].repeat_interleave(n, dim=0)
         for step in range(steps):
-            if self.num_text_tokens < logits.shape[-1]:
-                logits[:, self.num_text_tokens:] = float("-inf")
+            logits[:, self.num_text_tokens:] = float("-inf")
             tokens, token_logprobs = sample_next_tokens(
                 logits, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
             completion[active, step], logprobs[active, step] = tokens, token_logprobs
