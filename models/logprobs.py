@@ -179,23 +179,18 @@ def pack_batch(batch: dict, prompt_index: Tensor | None = None) -> PackedBatch:
         positions.extend(range(first_position, first_position + len(tokens)))
 
     for rows in groups.values():  # prompts in order of first appearance
-        prompt_length, start = prompt_lengths[rows[0]], len(ids)
-        prompt = input_ids[rows[0], prompt_len - prompt_length : prompt_len].tolist()
-        if len(rows) == 1:  # nothing to share: prompt and completion as one causal segment
-            row = rows[0]
-            append(prompt + input_ids[row, prompt_len : prompt_len + completion_lengths[row] - 1].tolist(), 0)
-            segments.append((start, len(ids), start, start))
-            predict[row] = list(range(start + prompt_length - 1, start + prompt_length - 1 + completion_lengths[row]))
-            continue
-        append(prompt, 0)
+        prompt_length, start, shared = prompt_lengths[rows[0]], len(ids), len(rows) > 1
+        append(input_ids[rows[0], prompt_len - prompt_length : prompt_len].tolist(), 0)
         segments.append((start, len(ids), start, start))
         for row in rows:
             length, completion_start = completion_lengths[row], len(ids)
-            if length > 1:
-                append(input_ids[row, prompt_len : prompt_len + length - 1].tolist(), prompt_length)
+            append(input_ids[row, prompt_len : prompt_len + length - 1].tolist(), prompt_length)
+            if shared and length > 1:
                 segments.append((completion_start, len(ids), start, start + prompt_length))
             # Token 0 is predicted from the prompt's last position, token t > 0 from completion token t - 1.
             predict[row] = ([start + prompt_length - 1] + list(range(completion_start, len(ids))))[:length]
+        if not shared:  # nothing to share: prompt and completion as one causal segment
+            segments[-1] = (start, len(ids), start, start)
     return PackedBatch(
         input_ids=torch.tensor([ids], dtype=torch.long), position_ids=torch.tensor([positions], dtype=torch.long),
         segments=tuple(segments), predict_index=torch.tensor([p for row in predict for p in row], dtype=torch.long),
