@@ -121,10 +121,9 @@ def micro_batches_by_tokens(lengths: Sequence[int], max_tokens: int, *, min_coun
     while True:
         loads, batches = [0] * count, [[] for _ in range(count)]
         for index in order:
-            open_batches = [b for b in range(count) if loads[b] + lengths[index] <= max_tokens]
-            if not open_batches:
+            target = loads.index(min(loads))  # the least loaded (the lowest on ties): if it has no room, none has
+            if loads[target] + lengths[index] > max_tokens:
                 break
-            target = min(open_batches, key=lambda b: (loads[b], b))
             loads[target] += lengths[index]
             batches[target].append(index)
         else:
