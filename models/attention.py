@@ -47,8 +47,7 @@ def segment_attention(query, key, value, segments, scaling) -> Tensor:
             values = torch.cat([value[:, :, prefix_start:prefix_end], value[:, :, start:end]], dim=2)
             prefix = prefix_end - prefix_start
             # Bottom-right causal: query i sees the whole prefix and its own tokens up to i.
-            allowed = torch.ones(end - start, prefix + end - start, dtype=torch.bool, device=query.device)
-            allowed = allowed.tril(diagonal=prefix)
+            allowed = torch.ones(end - start, prefix + end - start, dtype=torch.bool, device=query.device).tril(prefix)
             outputs.append(F.scaled_dot_product_attention(segment_query, keys, values, attn_mask=allowed,
                                                           scale=scaling, enable_gqa=grouped))
         else:
