@@ -214,8 +214,7 @@ def unpackable(model) -> str | None:
 
 def _packed_hidden(model, batch: dict, prompt_index: Tensor | None, captured: dict, device) -> tuple[Tensor, Tensor]:
     """The packed pass (one forward) of _completion_hidden; prompt_index [B] or None as pack_batch takes it."""
-    reason = unpackable(model)
-    if reason is not None:
+    if (reason := unpackable(model)) is not None:
         raise ValueError(reason)
     packed = pack_batch(batch, None if prompt_index is None else prompt_index.cpu())
     attention_kwargs = {"packed_segments": packed.segments}
