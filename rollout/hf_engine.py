@@ -78,7 +78,7 @@ class HFEngine(Engine):
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)
         decoding = TransformersDecoding(self.model, n)
         logits = decoding.prefill(input_ids, attention_mask, position_ids)
-        positions = position_ids[:, -1:].repeat_interleave(n, dim=0)
+        last_positions = position_ids[:, -1:].repeat_interleave(n, dim=0)  # [B, 1]: each row's last prompt position
         for step in range(steps):
             logits[:, self.num_text_tokens:] = float("-inf")
             tokens, token_logprobs = sample_next_tokens(
@@ -96,9 +96,8 @@ class HFEngine(Engine):
             if bool(finished.any()):
                 keep = (~finished).nonzero()[:, 0]
                 decoding.keep(keep)
-                active, tokens, positions = active[keep], tokens[keep], positions[keep]
-            positions = positions + 1
-            logits = decoding.step(tokens, positions)
+                active, tokens = active[keep], tokens[keep]
+            logits = decoding.step(tokens, last_positions[active] + step + 1)
         rows = zip(completion.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist())
         return [Completion(prompt_ids=list(prompts[index // n]), completion_ids=ids[:length],
                            text=completion_text(self.tokenizer, ids[:length]), logprobs=row_logprobs[:length],
