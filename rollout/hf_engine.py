@@ -159,9 +159,8 @@ def truncate_logits(logits: Tensor, top_p: float, top_k: int) -> Tensor:
         # Mass strictly before each token: a token is dropped once the tokens above it already reach top_p,
         # so the nucleus is the smallest prefix whose mass is >= top_p (and never empty).
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop_sorted = mass_before >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, sorted_index, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        drop_sorted = mass_before >= top_p  # back to vocabulary order below (sorted_index is a permutation)
+        logits = logits.masked_fill(drop_sorted.scatter(-1, sorted_index, drop_sorted), float("-inf"))
     return logits
 
 
@@ -173,8 +172,7 @@ def sample_next_tokens(logits: Tensor, *, temperature: float, top_p: float, top_
     logits = logits.float()
     if temperature == 0:
         tokens = logits.argmax(dim=-1)
-        logprobs = logits.log_softmax(dim=-1).gather(-1, tokens[:, None])[:, 0]
-        return tokens, logprobs
+        return tokens, logits.log_softmax(dim=-1).gather(-1, tokens[:, None])[:, 0]
     processed = truncate_logits(logits / temperature if temperature != 1.0 else logits, top_p, top_k)
     processed_logprobs = processed.log_softmax(dim=-1)
     tokens = draw_from_probabilities(processed_logprobs.exp(), generator)
