@@ -1,9 +1,8 @@
 """A generated arithmetic task for tool use: `python -m data.arithmetic --n 200 --seed 0 --out FILE`.
 
-Each question is a word problem whose answer is a * b + c or a * b - c (a, c three digits, b two): a 135M model
-cannot multiply that in its head, and can with the calculator tool (rollout/tools.py). A row's SFT target is the
-trajectory a tool user writes: the call, the calculator's answer, then `<answer>N</answer>` (the reward
-`arithmetic` scores the last answer), so a short SFT teaches the format and GRPO the rest."""
+Word problems whose answer is a * b +- c (a, c three digits, b two): a 135M model cannot multiply that in its head
+and can with the calculator (rollout/tools.py). The SFT target is a tool user's trajectory: the call, the answer,
+then `<answer>N</answer>` (the reward `arithmetic` scores the last answer)."""
 from __future__ import annotations
 
 import json

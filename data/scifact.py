@@ -33,28 +33,19 @@ LABEL
 For NOT_ENOUGH_INFO leave the evidence empty."""
 
 
-# veriseek_search.yaml: the claim alone; the model finds its evidence with the search tool (rollout/search.py).
-SEARCH_INSTRUCTIONS = ("Search the scientific corpus for evidence: write <tool_call>{\"name\": \"search\", "
-                       "\"arguments\": {\"query\": \"...\"}}</tool_call> and read the sentences it returns. "
-                       + INSTRUCTIONS.replace("Does the text support", "Then, does what you found support"))
-
-
 def _one_line(text: str) -> str:
     """Collapse whitespace so a sentence stays on one numbered line (the reward splits evidence by line)."""
     return " ".join(text.split())
 
 
-def evidence_prompt(claim: str, title: str, sentences: list[str], search: bool = False) -> str:
-    """The user message: the claim, the title, the sentences numbered from 0, then INSTRUCTIONS; with `search`, the
-    claim and SEARCH_INSTRUCTIONS only."""
-    if search:
-        return f"Claim: {_one_line(claim)}\n\n{SEARCH_INSTRUCTIONS}"
+def evidence_prompt(claim: str, title: str, sentences: list[str]) -> str:
+    """The user message: the claim, the title, the sentences numbered from 0, then INSTRUCTIONS."""
     numbered = "\n".join(f"[{i}] {_one_line(sentence)}" for i, sentence in enumerate(sentences))
     return f"Claim: {_one_line(claim)}\n\nTitle: {_one_line(title)}\n{numbered}\n\n{INSTRUCTIONS}"
 
 
 def evidence_row(claim: str, title: str, sentences: list[str], label: str, evidence_indices: list[int], *,
-                 index: int, split: str, search: bool = False, **extra_info) -> dict:
+                 index: int, split: str, **extra_info) -> dict:
     """A row: the prompt, the ground truth `{"answer": label, "evidence": [sentences]}` as JSON text, and in
     `extra_info` the SFT target (the completion to imitate), the label, the evidence indices (0-based into
     `sentences`, listed in reading order) and any extras."""
@@ -72,8 +63,7 @@ def evidence_row(claim: str, title: str, sentences: list[str], label: str, evide
     ground_truth = json.dumps({"answer": label, "evidence": evidence}, ensure_ascii=False)
     lines = "".join(f"[{k}] {sentence}\n" for k, sentence in enumerate(evidence, start=1))
     target = f"<answer>\n{label}\n</answer>\n\n<evidence>\n{lines}</evidence>"  # NOT_ENOUGH_INFO: an empty block
-    return make_row([{"role": "user", "content": evidence_prompt(claim, title, sentences, search)}],
-                    data_source=DATA_SOURCE,
+    return make_row([{"role": "user", "content": evidence_prompt(claim, title, sentences)}], data_source=DATA_SOURCE,
                     ability=ABILITY, ground_truth=ground_truth, index=index, split=split, target=target, label=label,
                     evidence_indices=indices, **extra_info)
 
@@ -111,9 +101,8 @@ def _choose_evidence(record: dict, where: str) -> tuple[int, str, list[int]]:
                          f"got {describe(rationales)}") from None
 
 
-def convert_claims(claims_path: str | Path, corpus: dict[int, dict], split: str, search: bool = False) -> list[dict]:
-    """Rows for every claim of one `claims_<split>.jsonl` (search: prompts without the abstract, as evidence_prompt);
-    reads the whole file before returning anything."""
+def convert_claims(claims_path: str | Path, corpus: dict[int, dict], split: str) -> list[dict]:
+    """Rows for every claim of one `claims_<split>.jsonl`; reads the whole file before returning anything."""
     claims_path = Path(claims_path)
     records = list(iter_jsonl(claims_path))
     if all("evidence" not in record for _, record in records):
@@ -134,18 +123,17 @@ def convert_claims(claims_path: str | Path, corpus: dict[int, dict], split: str,
         document = corpus[doc_id]
         try:
             rows.append(evidence_row(claim, document["title"], document["abstract"], label, indices, index=len(rows),
-                                     split=split, search=search, claim_id=claim_id, doc_id=doc_id))
+                                     split=split, claim_id=claim_id, doc_id=doc_id))
         except ValueError as error:  # the rationale's sentence indices do not fit the document
             raise ValueError(f"{where}: claim id {claim_id}, doc_id {doc_id}: {error}") from None
     return rows
 
 
-def convert_directory(input_dir: str | Path, splits: tuple[str, ...] = DEFAULT_SPLITS, search: bool = False
-                      ) -> dict[str, list[dict]]:
+def convert_directory(input_dir: str | Path, splits: tuple[str, ...] = DEFAULT_SPLITS) -> dict[str, list[dict]]:
     """`{split: rows}` for `claims_<split>.jsonl` in `input_dir`, all read and checked before any is returned."""
     input_dir = Path(input_dir)
     corpus = load_corpus(input_dir / "corpus.jsonl")
-    return {split: convert_claims(input_dir / f"claims_{split}.jsonl", corpus, split, search) for split in splits}
+    return {split: convert_claims(input_dir / f"claims_{split}.jsonl", corpus, split) for split in splits}
 
 
 @exit_on_bad_input()
@@ -155,10 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="folder to write <split>.jsonl (or .parquet) into")
     parser.add_argument("--splits", nargs="+", default=list(DEFAULT_SPLITS), help="default: train dev")
     parser.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl")
-    parser.add_argument("--search", action="store_true", help="prompts without the abstract, for the search tool "
-                        "(launch/configs/veriseek_search.yaml)")
     args = parser.parse_args(argv)
-    converted = convert_directory(args.input, tuple(args.splits), args.search)
+    converted = convert_directory(args.input, tuple(args.splits))
     for split, rows in converted.items():
         path = Path(args.out) / f"{split}.{args.format}"
         write_rows(rows, path)

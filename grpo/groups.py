@@ -204,7 +204,8 @@ class LocalRollout:
                  prompt_ids: Sequence[list[int]], eval_rows: Sequence[dict] = (),
                  eval_prompt_ids: Sequence[list[int]] = (), policy: torch.nn.Module | None = None,
                  tools: Tools | None = None):
-        self.cfg, self.engine, self.scorer, self.dist, self.policy, self.tools = cfg, engine, scorer, dist, policy, tools
+        self.cfg, self.engine, self.scorer, self.dist, self.policy = cfg, engine, scorer, dist, policy
+        self.tools = tools  # rollout.tools.Tools: multi-turn rollouts where rollout.tools names tools
         self.rows, self.prompt_ids, self.eval_rows, self.eval_prompt_ids = rows, prompt_ids, eval_rows, eval_prompt_ids
         # One order over the rows per replica: the ranks of a tensor-parallel replica draw the same prompts.
         self.sampler = PromptSampler(len(rows), seed=cfg.seed, rank=dist.dp_rank, world_size=dist.dp_size,

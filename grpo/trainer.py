@@ -182,7 +182,7 @@ def step_metrics(batch, rewards: Tensor, group_size: int, updates: list[dict], t
     metrics.update({f"reward/{key}": _nanmean(values) for key, values in batch.components.items()})
     if stats := [c.tool_stats for c in batch.completions if c.tool_stats is not None]:  # multi-turn, per trajectory
         metrics.update({name: sum(s[key] for s in stats) / len(stats) for name, key in (
-            ("turns_mean", "turns"), ("tool_calls", "calls"), ("tool_errors", "errors"), ("tool_timeouts", "timeouts"))})
+            ("turns_mean", "turns"), ("tool_calls", "calls"), ("tool_errors", "error"), ("tool_timeouts", "timeout"))})
     if "format" in batch.components:
         metrics["format_rate"] = _nanmean([format_success({"format": v}) for v in batch.components["format"]
                                            if not math.isnan(v)])

@@ -29,7 +29,8 @@ class Completion:
     logprobs: list[float]
     finish_reason: str  # "stop" (end-of-sequence token or stop string) or "length" (max_new_tokens or the context)
     # Multi-turn trajectories (rollout/tools.py): [T] 1 on the model's tokens, 0 on the tool messages' (logprob 0);
-    # None: every token is the model's. tool_stats: {"turns", "calls", "errors", "timeouts"} of the trajectory.
+    # None: every token is the model's. tool_stats: the trajectory's "turns", "calls", and calls by status ("ok",
+    # "error", "timeout": rollout.tools.run_calls).
     mask: list[int] | None = None
     tool_stats: dict[str, int] | None = None
 

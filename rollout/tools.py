@@ -1,18 +1,10 @@
-"""Multi-turn rollouts with tools: the model writes a call, the tool's answer comes back as the chat template's
-`tool` message, and the model goes on, for up to rollout.max_turns turns.
-
-A trajectory is token ids, never re-tokenised text: each turn's ids exactly as the engine sampled them, then the
-ids of the tool messages as the chat template renders them after that turn, then the next turn's sampled ids.
-`Completion.mask` is 1 on the model's tokens and 0 on the tools', so every loss, advantage and KL term trains the
-model's tokens only (grpo.groups.Batch). rollout.max_new_tokens bounds the whole trajectory, model and tool tokens:
-a turn or a tool message that would not fit ends it as a truncation (finish_reason "length").
-
-Calls are written Hermes / Qwen3 style, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. A tool is a
-function with typed arguments and a docstring with an Args section (its schema is transformers' get_json_schema,
-what chat templates take as `tools`), or an environment: a class made once per trajectory, `reset(row)` called,
-whose public methods are its tools. Arguments are untrusted model output: parsed as JSON, bound to the signature
-and type-checked, never evaluated. A malformed call, a tool that raises and one that runs past
-rollout.tool_timeout_s each become a tool message saying so, and are counted (Completion.tool_stats)."""
+"""Multi-turn rollouts with tools: the model writes `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes
+/ Qwen3 style), the tool's answer comes back as the chat template's `tool` message, and the model goes on, for up
+to rollout.max_turns turns. A trajectory is token ids, never re-tokenised text: each turn's sampled ids, then the
+template's ids of the tool messages; `Completion.mask` is 0 on the latter, so no loss term trains them. A tool is a
+typed, documented function, or an environment class (one instance per trajectory, `reset(row)`, its public methods
+the tools). Arguments are untrusted: JSON, bound and type-checked, never evaluated; failures and timeouts become
+tool messages. The rules in full: docs/conventions.md, "Multi-turn trajectories with tools"."""
 from __future__ import annotations
 
 import ast
@@ -23,6 +15,7 @@ import re
 import threading
 import time
 import typing
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 from rewards import load_function
@@ -33,7 +26,6 @@ MAX_CALLS_PER_TURN = 8  # more calls in one turn are answered with an error: a t
 MAX_RESULT_CHARS = 2000  # a tool's answer is cut here (it costs context tokens of every later turn)
 _PROBE = "\u2063nanogrpo-turn\u2063"  # assistant content no template alters: where a turn's text ends
 _TOOLS: dict[str, Callable] = {}
-SHIPPED = {"search": "rollout.search:search"}  # tools in modules of their own, imported when a run names them
 
 
 def register_tool(tool: Callable) -> Callable:
@@ -47,9 +39,9 @@ def get_tool(name: str) -> Callable:
     if name in _TOOLS:
         return _TOOLS[name]
     try:
-        return load_function(SHIPPED.get(name, name))
+        return load_function(name)
     except ValueError as error:
-        raise ValueError(f"unknown tool {name!r} ({error}); the tools: {', '.join(sorted([*_TOOLS, *SHIPPED]))}; or "
+        raise ValueError(f"unknown tool {name!r} ({error}); the tools: {', '.join(sorted(_TOOLS))}; or "
                          f"give a path 'package.module:function' or 'file.py:function'") from None
 
 
@@ -205,7 +197,6 @@ class Tools:
                  parse: Callable[[str], list[dict | str]] = parse_tool_calls):
         self.tokenizer, self.tools, self.max_turns, self.timeout_s, self.parse = (
             tokenizer, tools, max_turns, timeout_s, parse)
-        self.schemas = {source: tool_schemas(names) for source, names in tools.items()}
 
     def generate(self, engine, prompts: list[list[int]], rows: Sequence[dict], *, n: int, max_new_tokens: int,
                  seed: int | None, **sampling) -> list[Completion]:
@@ -218,7 +209,7 @@ class Tools:
         size = len(prompts) * n
         boxes = [toolbox(names[b // n], rows[b // n]) if names[b // n] else None for b in range(size)]
         ids, logprobs, mask = [[] for _ in range(size)], [[] for _ in range(size)], [[] for _ in range(size)]
-        stats = [{"turns": 0, "calls": 0, "errors": 0, "timeouts": 0} for _ in range(size)]
+        stats = [Counter(turns=0, calls=0, error=0, timeout=0) for _ in range(size)]
         finish, live = ["stop"] * size, list(range(size))
         for turn in range(self.max_turns):
             if turn == 0:
@@ -243,9 +234,7 @@ class Tools:
             live = []
             for b, calls in asking:
                 results = [next(answers) for _ in calls]
-                stats[b]["calls"] += len(calls)
-                stats[b]["errors"] += sum(status == "error" for _, status in results)
-                stats[b]["timeouts"] += sum(status == "timeout" for _, status in results)
+                stats[b].update([status for _, status in results], calls=len(calls))  # calls by status too
                 message = tool_message_ids(self.tokenizer, [content for content, _ in results], ids[b][-1])
                 if len(ids[b]) + len(message) >= max_new_tokens:  # no room for the model's reply: truncated
                     finish[b] = "length"

@@ -242,9 +242,9 @@ def test_merged_export_loads_in_plain_transformers(tmp_path, tokenizer):
 
 def test_a_lora_checkpoint_loads_as_a_model_merged_on_first_use(tmp_path, tokenizer):
     """init_from, launch.eval and vLLM load a LoRA checkpoint written without merged_export: the adapter is merged
-    into the base model adapter_config.json names (or --base), once, into merged/ (on 5cd6fe9: "has no config.json")."""
-    from launch.merge import main as merge
+    into the base model adapter_config.json names (or `base`), once, into merged/ (on 5cd6fe9: "has no config.json")."""
     from models import load_model, resolve_model_dir
+    from models.checkpoint import merge_lora_checkpoint
 
     base_model("qwen3", tie=False).save_pretrained(tmp_path / "base")
     model = with_adapter(load_model(tmp_path / "base"))
@@ -252,10 +252,12 @@ def test_a_lora_checkpoint_loads_as_a_model_merged_on_first_use(tmp_path, tokeni
     assert not (directory / "merged").exists()
     assert resolve_model_dir(directory) == directory / "merged"
     assert (logprobs_of(load_model(directory)) - logprobs_of(model)).abs().max() <= 1e-5
-    assert merge([str(directory)]) == 0  # already merged: the same directory
+    assert merge_lora_checkpoint(directory) == directory / "merged"  # already merged: the same directory
     orphan = save_checkpoint(tmp_path / "step_2", lora_model("qwen3", tie=False), tokenizer, None, 2)
-    assert merge([str(orphan)]) == 2  # the in-memory base has no path: --base names it
-    assert merge([str(orphan), "--base", str(tmp_path / "base")]) == 0 and (orphan / "merged" / "config.json").is_file()
+    with pytest.raises((OSError, ValueError, KeyError)):  # the in-memory base has no path: `base` names it
+        merge_lora_checkpoint(orphan)
+    assert merge_lora_checkpoint(orphan, tmp_path / "base") == orphan / "merged"
+    assert (orphan / "merged" / "config.json").is_file()
 
 
 def test_lora_checkpoint_resumes_exactly(tmp_path, tokenizer):

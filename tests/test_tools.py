@@ -221,7 +221,8 @@ def test_arithmetic_reward_reads_the_last_answer():
     assert arithmetic_reward("arithmetic", "<answer>1234</answer> <answer>7</answer>", "1234") == {
         "score": 0.0, "format": 1.0, "acc": 0.0}
     assert arithmetic_reward("arithmetic", "1234", "1234")["format"] == 0.0
-    with pytest.raises(ValueError, match="not an integer"):
+    assert arithmetic_reward("arithmetic", "<answer>,</answer>", "1")["format"] == 0.0  # not a number: no answer
+    with pytest.raises(ValueError, match="invalid literal for int.*'twelve'"):
         arithmetic_reward("arithmetic", "", "twelve")
 
 
@@ -249,49 +250,3 @@ def test_a_tool_run_trains_and_logs_its_turns(tmp_path, tiny_model_dir, monkeypa
     sample = json.loads((run_dir / "samples.jsonl").read_text().splitlines()[0])
     assert "\ntool\nerror: the tool call is not valid JSON" in sample["completion"]
 
-
-@pytest.fixture(scope="module")
-def scifact_search(shared_data, tmp_path_factory):
-    """SciFact rows without abstracts (data.scifact --search) and the search index over the whole corpus."""
-    from data.scifact import main as convert
-    from rollout.search import build_index
-
-    root = tmp_path_factory.mktemp("scifact_search")
-    convert(["--input", str(shared_data / "scifact"), "--out", str(root), "--search"])
-    assert build_index(shared_data / "scifact" / "corpus.jsonl", root / "index") > 40_000
-    return root
-
-
-def test_search_returns_corpus_sentences_with_their_ids(scifact_search, shared_data, monkeypatch):
-    from data.scifact import load_corpus
-    from rollout.search import INDEX_ENV, TOP_K, search
-
-    monkeypatch.setenv(INDEX_ENV, str(scifact_search / "index"))
-    corpus = load_corpus(shared_data / "scifact" / "corpus.jsonl")
-    doc_id, document = next(iter(corpus.items()))
-    hits = search(document["abstract"][1]).splitlines()
-    assert len(hits) == TOP_K and hits[0] == f"[doc {doc_id}, sentence 1] {' '.join(document['abstract'][1].split())}"
-    assert search("the of and") == "no results: the query has no searchable words"
-    row = json.loads((scifact_search / "train.jsonl").read_text().splitlines()[0])
-    prompt = row["prompt"][0]["content"]
-    assert prompt.startswith(f"Claim: {row['prompt'][0]['content'].splitlines()[0][7:]}") and '"search"' in prompt
-    assert "Title:" not in prompt and "[0]" not in prompt  # the abstract is left out: the model has to search
-
-
-def test_veriseek_search_recipe_checks_on_both_targets(scifact_search, tiny_model_dir, tmp_path, monkeypatch):
-    from pathlib import Path
-
-    from launch.train import main
-
-    recipe = Path(__file__).resolve().parents[1] / "launch" / "configs" / "veriseek_search.yaml"
-    data = [f"data.train_files=['{scifact_search / 'train.jsonl'}']", f"data.eval_files=['{scifact_search / 'dev.jsonl'}']",
-            f"rollout.search_index={scifact_search / 'index'}", f"trainer.out_dir={tmp_path}"]
-    qwen = Path(__file__).resolve().parent / "data" / "models" / "qwen3-4b" / "config.json"
-    assert main(["--config", str(recipe), "--dry-run", "--device", "cuda", "--world-size", "2", "--gpu-memory-gib",
-                 "80", "--model-config", str(qwen), *data]) == 0
-    assert main(["--config", str(recipe), "--dry-run", f"model.name_or_path={tiny_model_dir}",
-                 "model.param_dtype=float32", *data]) == 0
-    assert main(["--config", str(recipe), "--dry-run", f"model.name_or_path={tiny_model_dir}",
-                 "model.param_dtype=float32", *data[:2], "rollout.search_index=null"]) == 2
-    assert main(["--config", str(recipe), "--dry-run", f"model.name_or_path={tiny_model_dir}",
-                 "model.param_dtype=float32", *data[:2], f"rollout.search_index={tmp_path}"]) == 2
