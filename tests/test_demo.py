@@ -27,3 +27,18 @@ def test_demo_runs_three_arms_and_writes_table_and_curves(tmp_path, tiny_model_d
     assert sft_steps == [0, 1, 2]
     # The held-out rows came from their own seed, not the training rows' seed 0.
     assert json.loads((out / "data" / "heldout.jsonl").read_text().splitlines()[0])["extra_info"]["generator_seed"] == 7
+
+
+def test_the_tool_demo_runs_sft_then_grpo_with_the_calculator(tmp_path, tiny_model_dir, capsys):
+    """`launch.demo --task tools` at toy size: the arithmetic rows, the SFT and GRPO arms with the calculator, the
+    table with the paired change of each arm (no GRPO-from-base arm: the base model never calls the tool)."""
+    out = tmp_path / "tools"
+    assert main(["--task", "tools", "--out", str(out), "--train-rows", "8", "--heldout-rows", "4",
+                 f"model.name_or_path={tiny_model_dir}", "trainer.steps=1", "trainer.prompts_per_step=2",
+                 "trainer.sft_batch_size=4", "trainer.micro_batch_size=8", "rollout.max_new_tokens=24"]) == 0
+    table = (out / "summary.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [row.split(" | ")[0] for row in rows] == ["| base model", "| SFT (1 steps)", "| SFT + GRPO (1 steps)"]
+    assert rows[2].count(" vs SFT") == 2 and table in capsys.readouterr().out
+    assert json.loads((out / "data" / "train.jsonl").read_text().splitlines()[0])["data_source"] == "arithmetic"
+    assert (out / "grpo" / "checkpoints" / "step_1" / "COMPLETE").exists()
