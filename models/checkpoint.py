@@ -104,8 +104,8 @@ def merge_lora_checkpoint(directory: str | os.PathLike, base: str | os.PathLike 
     config = json.loads((directory / ADAPTER_CONFIG).read_text())
     base = base or config.get("base_model_name_or_path")
     if not base:
-        raise ValueError(f"{directory / ADAPTER_CONFIG} names no base model: merge with python -m launch.merge "
-                         f"{directory} --base MODEL")
+        raise ValueError(f"{directory / ADAPTER_CONFIG} names no base model: merge it with models.checkpoint."
+                         f"merge_lora_checkpoint('{directory}', base=MODEL)")
     model = lora.apply_lora(load_model(base), rank=config["r"], alpha=config["lora_alpha"],
                             target_modules=sorted(config["target_modules"]))
     fsdp.load_full_weights(_trained_weights(model)[0], load_file(directory / ADAPTER_WEIGHTS))
