@@ -22,6 +22,7 @@ setup(
         "pyyaml>=6",
         "tqdm>=4.66",
         "matplotlib>=3.8",
+        "bm25s>=0.2",  # the search tool's BM25 index (rollout/search.py)
         "infini-gram>=2.5",
         "cachetools>=5.0",  # the size-bounded LRU cache of corpus clauses (rewards.cooccurrence)
         "peft>=0.21,<0.22",  # LoRA (imported only when model.lora.enabled)

@@ -6,8 +6,10 @@ CONTRADICT -> REFUTES); a claim without evidence gets its first cited document a
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from data.jsonio import describe, exit_on_bad_input, iter_jsonl, require
@@ -33,22 +35,33 @@ LABEL
 For NOT_ENOUGH_INFO leave the evidence empty."""
 
 
+# veriseek_search.yaml: the claim alone; the model finds its evidence with the search tool (rollout/search.py).
+SEARCH_INSTRUCTIONS = ("Search the scientific corpus for evidence: write <tool_call>{\"name\": \"search\", "
+                       "\"arguments\": {\"query\": \"...\"}}</tool_call> and read the sentences it returns. "
+                       + INSTRUCTIONS.replace("Does the text support", "Then, does what you found support"))
+
+
 def _one_line(text: str) -> str:
     """Collapse whitespace so a sentence stays on one numbered line (the reward splits evidence by line)."""
     return " ".join(text.split())
 
 
-def evidence_prompt(claim: str, title: str, sentences: list[str]) -> str:
-    """The user message: the claim, the title, the sentences numbered from 0, then INSTRUCTIONS."""
+def evidence_prompt(claim: str, title: str, sentences: list[str], search: bool = False) -> str:
+    """The user message: the claim, the title, the sentences numbered from 0, then INSTRUCTIONS; with `search`, the
+    claim and SEARCH_INSTRUCTIONS only."""
+    if search:
+        return f"Claim: {_one_line(claim)}\n\n{SEARCH_INSTRUCTIONS}"
     numbered = "\n".join(f"[{i}] {_one_line(sentence)}" for i, sentence in enumerate(sentences))
     return f"Claim: {_one_line(claim)}\n\nTitle: {_one_line(title)}\n{numbered}\n\n{INSTRUCTIONS}"
 
 
 def evidence_row(claim: str, title: str, sentences: list[str], label: str, evidence_indices: list[int], *,
-                 index: int, split: str, **extra_info) -> dict:
+                 index: int, split: str, search: Callable[[str], str] | None = None, **extra_info) -> dict:
     """A row: the prompt, the ground truth `{"answer": label, "evidence": [sentences]}` as JSON text, and in
     `extra_info` the SFT target (the completion to imitate), the label, the evidence indices (0-based into
-    `sentences`, listed in reading order) and any extras."""
+    `sentences`, listed in reading order) and any extras. With `search` (the search tool), the prompt leaves the
+    abstract out and the target is a searcher's trajectory: the claim as the query, the tool's answer, then the
+    label with the gold sentences that answer holds (a model can only copy what it has read)."""
     if label not in LABELS:
         raise ValueError(f"label {label!r} is not one of {LABELS}")
     if label == "NOT_ENOUGH_INFO" and evidence_indices:
@@ -61,11 +74,17 @@ def evidence_row(claim: str, title: str, sentences: list[str], label: str, evide
     indices = sorted(set(evidence_indices))
     evidence = [_one_line(sentences[position]) for position in indices]
     ground_truth = json.dumps({"answer": label, "evidence": evidence}, ensure_ascii=False)
-    lines = "".join(f"[{k}] {sentence}\n" for k, sentence in enumerate(evidence, start=1))
+    found = search(_one_line(claim)) if search else ""
+    lines = "".join(f"[{k}] {sentence}\n" for k, sentence in enumerate(
+        [sentence for sentence in evidence if sentence in found] if search else evidence, start=1))
     target = f"<answer>\n{label}\n</answer>\n\n<evidence>\n{lines}</evidence>"  # NOT_ENOUGH_INFO: an empty block
-    return make_row([{"role": "user", "content": evidence_prompt(claim, title, sentences)}], data_source=DATA_SOURCE,
-                    ability=ABILITY, ground_truth=ground_truth, index=index, split=split, target=target, label=label,
-                    evidence_indices=indices, **extra_info)
+    if search:
+        call = json.dumps({"name": "search", "arguments": {"query": _one_line(claim)}})
+        target = [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+                  {"role": "tool", "content": found}, {"role": "assistant", "content": target}]
+    return make_row([{"role": "user", "content": evidence_prompt(claim, title, sentences, search is not None)}],
+                    data_source=DATA_SOURCE, ability=ABILITY, ground_truth=ground_truth, index=index, split=split,
+                    target=target, label=label, evidence_indices=indices, **extra_info)
 
 
 def load_corpus(path: str | Path) -> dict[int, dict]:
@@ -101,8 +120,10 @@ def _choose_evidence(record: dict, where: str) -> tuple[int, str, list[int]]:
                          f"got {describe(rationales)}") from None
 
 
-def convert_claims(claims_path: str | Path, corpus: dict[int, dict], split: str) -> list[dict]:
-    """Rows for every claim of one `claims_<split>.jsonl`; reads the whole file before returning anything."""
+def convert_claims(claims_path: str | Path, corpus: dict[int, dict], split: str,
+                   search: Callable[[str], str] | None = None) -> list[dict]:
+    """Rows for every claim of one `claims_<split>.jsonl` (search: for the search tool, as evidence_row); reads the
+    whole file before returning anything."""
     claims_path = Path(claims_path)
     records = list(iter_jsonl(claims_path))
     if all("evidence" not in record for _, record in records):
@@ -123,17 +144,18 @@ def convert_claims(claims_path: str | Path, corpus: dict[int, dict], split: str)
         document = corpus[doc_id]
         try:
             rows.append(evidence_row(claim, document["title"], document["abstract"], label, indices, index=len(rows),
-                                     split=split, claim_id=claim_id, doc_id=doc_id))
+                                     split=split, search=search, claim_id=claim_id, doc_id=doc_id))
         except ValueError as error:  # the rationale's sentence indices do not fit the document
             raise ValueError(f"{where}: claim id {claim_id}, doc_id {doc_id}: {error}") from None
     return rows
 
 
-def convert_directory(input_dir: str | Path, splits: tuple[str, ...] = DEFAULT_SPLITS) -> dict[str, list[dict]]:
+def convert_directory(input_dir: str | Path, splits: tuple[str, ...] = DEFAULT_SPLITS,
+                      search: Callable[[str], str] | None = None) -> dict[str, list[dict]]:
     """`{split: rows}` for `claims_<split>.jsonl` in `input_dir`, all read and checked before any is returned."""
     input_dir = Path(input_dir)
     corpus = load_corpus(input_dir / "corpus.jsonl")
-    return {split: convert_claims(input_dir / f"claims_{split}.jsonl", corpus, split) for split in splits}
+    return {split: convert_claims(input_dir / f"claims_{split}.jsonl", corpus, split, search) for split in splits}
 
 
 @exit_on_bad_input()
@@ -143,8 +165,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="folder to write <split>.jsonl (or .parquet) into")
     parser.add_argument("--splits", nargs="+", default=list(DEFAULT_SPLITS), help="default: train dev")
     parser.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl")
+    parser.add_argument("--search", action="store_true", help="rows for the search tool, and its index in "
+                        "OUT/search_index (launch/configs/veriseek_search_sft.yaml and veriseek_search.yaml)")
     args = parser.parse_args(argv)
-    converted = convert_directory(args.input, tuple(args.splits))
+    search = None
+    if args.search:  # the index the run searches (rollout.search_index), searched here for the SFT targets
+        from rollout import search as tool
+
+        index = Path(args.out) / "search_index"
+        print(f"{index}: {tool.build_index(Path(args.input) / 'corpus.jsonl', index)} sentences indexed")
+        search = functools.partial(tool.top_sentences, str(index))
+    converted = convert_directory(args.input, tuple(args.splits), search)
     for split, rows in converted.items():
         path = Path(args.out) / f"{split}.{args.format}"
         write_rows(rows, path)

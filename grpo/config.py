@@ -184,6 +184,8 @@ class RolloutConfig(Section):
     """Model turns per trajectory where the row's data source has tools; max_new_tokens bounds them all together."""
     tool_timeout_s: float = bounded(10.0, 0, low_open=True)
     """Seconds a tool call may run before the model is told that it timed out (and the trajectory goes on)."""
+    search_index: str | None = None
+    """The `search` tool's index directory (`python -m data.scifact --search --out DIR` writes DIR/search_index)."""
     num_threads: int | None = bounded(None, 1, free=True)
     """torch threads while the transformers engine generates (null: torch's; 1 is faster on a busy CPU)."""
     sync_bucket_mb: int = bounded(1024, 1, free=True)
@@ -425,6 +427,9 @@ def check(cfg: Config, world_size: int = 1, *, whole_world: int | None = None) -
     if cfg.reward.timeout_s is not None and cfg.reward.num_workers == 0:
         raise ConfigError(f"reward.timeout_s={cfg.reward.timeout_s} needs reward.num_workers >= 1: a reward call "
                           "that hangs inside the training process cannot be abandoned")
+    if any("search" in names for names in rollout.tools.values()) and rollout.search_index is None:
+        raise ConfigError("rollout.tools names the search tool but rollout.search_index is null: build an index "
+                          "with `python -m data.scifact --search --out DIR` and name DIR/search_index")
     if rollout.tensor_parallel_size > 1 and rollout.engine != "vllm":
         raise ConfigError(f"rollout.tensor_parallel_size={rollout.tensor_parallel_size} needs rollout.engine=vllm "
                           f"(the transformers engine runs on one rank)")

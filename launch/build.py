@@ -3,6 +3,7 @@ reference, the engine and where the batches come from, the checkpointer and the 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from models.logprobs import sampleable_vocab_size
 from models.lora import apply_lora
 from models.precision import compute_in
 from rollout.hf_engine import HFEngine
+from rollout.search import INDEX_ENV
 from rollout.tools import Tools
 from rollout.vllm_engine import VLLMEngine
 
@@ -71,6 +73,8 @@ def _local_rollout(cfg: Config, dist: DistInfo, prepared: Prepared, scorer: Scor
     """This rank's engine and the rollout on it, multi-turn where rollout.tools names tools (rollout/tools.py).
     policy: the module being trained (None on an engine rank), which the engine generates with or is synced from."""
     roll = cfg.rollout
+    if roll.search_index is not None:
+        os.environ[INDEX_ENV] = roll.search_index  # read by the search tool, in whichever thread runs it
     engine = build_engine(cfg, target, resolve_model_dir(prepared.source), prepared.tokenizer, device=dist.device,
                           dp_rank=dist.dp_rank, policy=policy)
     synced = roll.engine == "vllm" or own_engine_copy(cfg, target)

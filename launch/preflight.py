@@ -21,6 +21,7 @@ from launch.plan import Target, check_plan, run_plan
 from models import load_tokenizer, render_prompt, resolve_model_dir
 from models.checkpoint import check_files, complete_checkpoints
 from rewards.corpus import check_index
+from rollout.search import load_index
 from rollout.tools import sft_target, tool_schemas
 from rollout.vllm_engine import check_vllm_version
 
@@ -66,7 +67,7 @@ def check_versions(cfg: Config, torch_version: str | None = None, vllm_version: 
 
 
 def _check_environment(cfg: Config) -> None:
-    """What the settings name outside the recipe: the reward paths, the corpus index, wandb, init_from."""
+    """What the settings name outside the recipe: the reward paths, the corpus and search indexes, wandb, init_from."""
     for data_source, dotted in cfg.reward.functions.items():
         try:
             rewards.get_reward(dotted)
@@ -81,6 +82,11 @@ def _check_environment(cfg: Config) -> None:
             check_index(index)
         except (OSError, ValueError) as error:
             raise ConfigError(f"reward.corpus_index: {error}") from None
+    if cfg.rollout.search_index is not None:  # loaded here: a bad index fails now, not at the first search
+        try:
+            load_index(cfg.rollout.search_index)
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"rollout.search_index: {error}") from None
     if cfg.trainer.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ConfigError(f"trainer.wandb_project={cfg.trainer.wandb_project} needs Weights & Biases: pip install "
                           f"wandb (or set trainer.wandb_project=null)")

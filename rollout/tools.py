@@ -26,6 +26,7 @@ MAX_CALLS_PER_TURN = 8  # more calls in one turn are answered with an error: a t
 MAX_RESULT_CHARS = 2000  # a tool's answer is cut here (it costs context tokens of every later turn)
 _PROBE = "\u2063nanogrpo-turn\u2063"  # assistant content no template alters: where a turn's text ends
 _TOOLS: dict[str, Callable] = {}
+SHIPPED = {"search": "rollout.search:search"}  # tools in modules of their own, imported when a run names them
 
 
 def register_tool(tool: Callable) -> Callable:
@@ -39,9 +40,9 @@ def get_tool(name: str) -> Callable:
     if name in _TOOLS:
         return _TOOLS[name]
     try:
-        return load_function(name)
+        return load_function(SHIPPED.get(name, name))
     except ValueError as error:
-        raise ValueError(f"unknown tool {name!r} ({error}); the tools: {', '.join(sorted(_TOOLS))}; or "
+        raise ValueError(f"unknown tool {name!r} ({error}); the tools: {', '.join(sorted([*_TOOLS, *SHIPPED]))}; or "
                          f"give a path 'package.module:function' or 'file.py:function'") from None
 
 

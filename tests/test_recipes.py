@@ -35,9 +35,14 @@ def recipe_data(tmp_path_factory, shared_data):
                               for i in range(50)))
     index = build_index(corpus, root / "index")
     from data.arithmetic import generate_rows as arithmetic_rows
+    from rollout.search import build_index as build_search_index
     files["arithmetic"] = root / "arithmetic.jsonl"
     write_rows(arithmetic_rows(4, seed=0), files["arithmetic"])
-    return files, index
+    documents = root / "scifact_corpus.jsonl"
+    documents.write_text("".join(json.dumps({"doc_id": i, "title": "T", "abstract": [f"Claim {i} holds.", "Not so."]})
+                                 + "\n" for i in range(5)))
+    build_search_index(documents, root / "search_index")
+    return files, index, root / "search_index"
 
 
 def _data_source(recipe: str) -> str:
@@ -48,7 +53,7 @@ def _data_source(recipe: str) -> str:
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_runs_one_step(recipe, recipe_data, tiny_model_dir, tmp_path):
-    files, index = recipe_data
+    files, index, search_index = recipe_data
     rows = files[_data_source(recipe)]
     base = load_config(CONFIGS / recipe)
     overrides = [f"model.name_or_path={tiny_model_dir}", "init_from=null", f"data.train_files=['{rows}']",
@@ -58,6 +63,8 @@ def test_recipe_runs_one_step(recipe, recipe_data, tiny_model_dir, tmp_path):
                  "model.param_dtype=float32", "trainer.sft_max_len=2048", "data.max_prompt_tokens=2048"]
     if base.reward.corpus_index is not None:
         overrides.append(f"reward.corpus_index={index}")
+    if base.rollout.search_index is not None:
+        overrides.append(f"rollout.search_index={search_index}")
     if base.algorithm.teacher is not None:  # the tiny model teaches itself: the teacher pass runs, its signal is 0
         overrides.append(f"algorithm.teacher={tiny_model_dir}")
     if base.stage == "rl":

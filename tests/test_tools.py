@@ -10,6 +10,8 @@ import torch
 from data.arithmetic import generate_rows
 from grpo.groups import Batch, Group
 from rewards.arithmetic import arithmetic_reward
+from rewards.parsing import extract_block
+from rewards.scifact import evidence_items
 from rollout.engine import Completion
 from rollout.tools import (MAX_CALLS_PER_TURN, Tools, calculator, parse_tool_calls, run_calls, sft_target,
                            tool_message_ids, tool_schemas, toolbox)
@@ -250,3 +252,60 @@ def test_a_tool_run_trains_and_logs_its_turns(tmp_path, tiny_model_dir, monkeypa
     sample = json.loads((run_dir / "samples.jsonl").read_text().splitlines()[0])
     assert "\ntool\nerror: the tool call is not valid JSON" in sample["completion"]
 
+
+@pytest.fixture(scope="module")
+def scifact_search(shared_data, tmp_path_factory):
+    """SciFact rows for the search tool and its index over the whole corpus (data.scifact --search)."""
+    from data.scifact import main as convert
+
+    root = tmp_path_factory.mktemp("scifact_search")
+    convert(["--input", str(shared_data / "scifact"), "--out", str(root), "--search"])
+    return root
+
+
+def test_search_returns_corpus_sentences_with_their_ids(scifact_search, shared_data, monkeypatch):
+    from data.scifact import load_corpus
+    from rollout.search import INDEX_ENV, TOP_K, search, top_sentences
+
+    monkeypatch.setenv(INDEX_ENV, str(scifact_search / "search_index"))
+    corpus = load_corpus(shared_data / "scifact" / "corpus.jsonl")
+    doc_id, document = next(iter(corpus.items()))
+    hits = search(document["abstract"][1]).splitlines()
+    assert len(hits) == TOP_K and hits[0] == f"[doc {doc_id}, sentence 1] {' '.join(document['abstract'][1].split())}"
+    assert search("the of and") == "no results: the query has no searchable words"
+    rows = [json.loads(line) for line in (scifact_search / "train.jsonl").read_text().splitlines()]
+    prompt = rows[0]["prompt"][0]["content"]
+    claim = prompt.splitlines()[0].removeprefix("Claim: ")
+    assert '"search"' in prompt and "Title:" not in prompt and "[0]" not in prompt  # the model has to search
+    # The SFT target: the claim as the query, the tool's real answer, the label with the gold sentences it holds.
+    call, answer, final = rows[0]["extra_info"]["target"]
+    assert json.loads(call["content"].removeprefix("<tool_call>").removesuffix("</tool_call>")) == {
+        "name": "search", "arguments": {"query": claim}}
+    assert answer == {"role": "tool", "content": top_sentences(str(scifact_search / "search_index"), claim)}
+    cited = {row["extra_info"]["index"]: evidence_items(extract_block(row["extra_info"]["target"][2]["content"],
+                                                                        "evidence")) for row in rows}
+    gold = {row["extra_info"]["index"]: json.loads(row["reward_model"]["ground_truth"])["evidence"] for row in rows}
+    for row in rows:
+        found = row["extra_info"]["target"][1]["content"]
+        assert cited[row["extra_info"]["index"]] == [s for s in gold[row["extra_info"]["index"]] if s in found]
+    assert final["role"] == "assistant" and final["content"].startswith(f"<answer>\n{rows[0]['extra_info']['label']}")
+    assert 50 < sum(map(bool, cited.values())) < sum(map(bool, gold.values()))  # found for some claims, not all
+
+
+def test_veriseek_search_recipe_checks_on_both_targets(scifact_search, tiny_model_dir, tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from launch.train import main
+
+    recipe = Path(__file__).resolve().parents[1] / "launch" / "configs" / "veriseek_search.yaml"
+    data = [f"data.train_files=['{scifact_search / 'train.jsonl'}']", f"data.eval_files=['{scifact_search / 'dev.jsonl'}']",
+            f"rollout.search_index={scifact_search / 'search_index'}", f"trainer.out_dir={tmp_path}"]
+    qwen = Path(__file__).resolve().parent / "data" / "models" / "qwen3-4b" / "config.json"
+    assert main(["--config", str(recipe), "--dry-run", "--device", "cuda", "--world-size", "2", "--gpu-memory-gib",
+                 "80", "--model-config", str(qwen), *data]) == 0
+    assert main(["--config", str(recipe), "--dry-run", f"model.name_or_path={tiny_model_dir}",
+                 "model.param_dtype=float32", *data]) == 0
+    assert main(["--config", str(recipe), "--dry-run", f"model.name_or_path={tiny_model_dir}",
+                 "model.param_dtype=float32", *data[:2], "rollout.search_index=null"]) == 2
+    assert main(["--config", str(recipe), "--dry-run", f"model.name_or_path={tiny_model_dir}",
+                 "model.param_dtype=float32", *data[:2], f"rollout.search_index={tmp_path}"]) == 2
