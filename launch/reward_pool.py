@@ -214,10 +214,9 @@ class RewardPool:
 
     def close(self) -> None:
         """Ask every worker to stop; kill those that do not within 5 s."""
-        for worker in self.workers:
-            if worker is not None and worker.process.is_alive():
-                with contextlib.suppress(OSError):
-                    worker.connection.send(None)
+        for worker in filter(None, self.workers):
+            with contextlib.suppress(OSError):  # the pipe of a dead or stopped worker is closed
+                worker.connection.send(None)
         for worker in filter(None, self.workers):
             worker.process.join(5.0)
             worker.stop()
