@@ -31,8 +31,7 @@ def prefix_label(text: str) -> str | None:
     """The label the reply (after the last `</think>`) STARTS with, or None: the diagnostic for models that do not
     write the answer block. Only an `<answer>` tag, markdown and an "Answer:"-like lead-in may precede it, so
     a model echoing the instruction ("Does the text support or refute...") is not credited with SUPPORTS."""
-    think_end = text.lower().rfind("</think>")
-    reply = text[think_end + len("</think>"):] if think_end >= 0 else text
+    reply = re.split("</think>", text, flags=re.IGNORECASE)[-1]
     match = _PREFIX_LABEL.match(reply.lstrip()[:_PREFIX_CHARS])
     if match is None:
         return None

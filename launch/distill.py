@@ -85,10 +85,9 @@ def judge_sample(text: str, gold: str, *, finish_reason: str, max_reasoning_toke
         raise ValueError(f"gold judgment must be one of {JUDGMENTS}, got {gold!r}")
     if finish_reason == "length":
         return Verdict("truncated")
-    end = text.lower().rfind("</think>")
-    if end < 0 and "<think>" in text.lower():  # the summary after the thinking was never written
+    *thinking, summary = re.split("</think>", text, flags=re.IGNORECASE)
+    if not thinking and "<think>" in text.lower():  # the summary after the thinking was never written
         return Verdict("unfinished_thinking")
-    summary = text[end + len("</think>"):] if end >= 0 else text
     judged = parse_judgment(summary)
     if judged is None:
         return Verdict("label_outside_set" if last_boxed_span(summary) is not None else "no_judgment")

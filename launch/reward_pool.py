@@ -188,30 +188,25 @@ class RewardPool:
         return outcomes
 
     def _outcome(self, slot: int, deadline: float):
-        """The finished call's result or error, or _PENDING while it runs within its deadline."""
+        """The finished call's result or error (the reward's, a timeout, or the worker's death), or _PENDING while
+        it runs within its deadline."""
         worker = self.workers[slot]
         if worker.connection.poll():
-            try:
+            with contextlib.suppress(EOFError, OSError):  # nothing to read: the worker died, reported below
                 status, payload, remote_traceback = worker.connection.recv()
-            except (EOFError, OSError):
-                return self._died(slot)
-            if status == "ok":
-                return payload
-            error = RewardWorkerError(payload)
-            error.add_note(f"in the reward worker:\n{remote_traceback}")
-            return error
-        if not worker.process.is_alive():
-            return self._died(slot)
-        if time.monotonic() >= deadline:
+                if status == "ok":
+                    return payload
+                error = RewardWorkerError(payload)
+                error.add_note(f"in the reward worker:\n{remote_traceback}")
+                return error
+        elif worker.process.is_alive():
+            if time.monotonic() < deadline:
+                return _PENDING
             worker.stop()
             return RewardTimeout(f"no result within reward.timeout_s={self.reward.timeout_s:g} s: the call was "
                                  f"abandoned and its worker (pid {worker.process.pid}) killed; a new worker is "
                                  f"started for the next call")
-        return _PENDING
-
-    def _died(self, slot: int) -> RewardWorkerError:
-        worker = self.workers[slot]
-        worker.stop()  # already dead: its exit code is read once joined
+        worker.stop()  # dead: its exit code is read once joined
         code = worker.process.exitcode
         name = f", {signal.Signals(-code).name}" if code is not None and code < 0 else ""
         return RewardWorkerError(f"reward worker pid {worker.process.pid} died while scoring (exit code {code}{name}); "
@@ -219,10 +214,9 @@ class RewardPool:
 
     def close(self) -> None:
         """Ask every worker to stop; kill those that do not within 5 s."""
-        for worker in self.workers:
-            if worker is not None and worker.process.is_alive():
-                with contextlib.suppress(OSError):
-                    worker.connection.send(None)
+        for worker in filter(None, self.workers):
+            with contextlib.suppress(OSError):  # the pipe of a dead or stopped worker is closed
+                worker.connection.send(None)
         for worker in filter(None, self.workers):
             worker.process.join(5.0)
             worker.stop()
