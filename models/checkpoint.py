@@ -52,7 +52,7 @@ def _trained_weights(model: torch.nn.Module) -> tuple[list[tuple[str, torch.Tens
     if not lora.is_lora(model):
         return fsdp.named_weights(model), WEIGHTS
     return [("base_model.model." + name.replace(f".{lora.ADAPTER}.", "."), tensor)
-            for name, tensor in fsdp.named_weights(model) if lora.is_adapter_name(name)], ADAPTER_WEIGHTS
+            for name, tensor in fsdp.named_weights(model) if re.search(r"\.lora_[AB]\.", name)], ADAPTER_WEIGHTS
 
 
 def _write_weights(directory: Path, model: torch.nn.Module, tokenizer, merged_export: bool) -> None:

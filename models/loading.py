@@ -179,10 +179,10 @@ def convert_gguf(gguf_path: Path) -> Path:
     if (target / COMPLETE_MARKER).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        _write_conversion(gguf_path, temporary)
-        os.chmod(temporary, 0o755)  # mkdtemp makes it private; the cache is an ordinary readable directory
+    # Removed on exit unless renamed into place (its cleanup ignores a directory that is gone).
+    with tempfile.TemporaryDirectory(prefix=f".{target.name}.", dir=target.parent) as temporary:
+        _write_conversion(gguf_path, Path(temporary))
+        os.chmod(temporary, 0o755)  # it is made private; the cache is an ordinary readable directory
         try:
             os.rename(temporary, target)
         except OSError:
@@ -191,8 +191,6 @@ def convert_gguf(gguf_path: Path) -> Path:
             if not (target / COMPLETE_MARKER).is_file():
                 shutil.rmtree(target, ignore_errors=True)
                 os.rename(temporary, target)
-    finally:
-        shutil.rmtree(temporary, ignore_errors=True)
     return target
 
 

@@ -68,10 +68,6 @@ def _check_targets(model: torch.nn.Module, targets: list[str]) -> None:
                                  f"only nn.Linear modules are supported (its nn.Linear names: {linear})")
 
 
-def is_adapter_name(name: str) -> bool:
-    return ".lora_A." in name or ".lora_B." in name
-
-
 def is_lora(model: torch.nn.Module) -> bool:
     """Whether `model` carries a peft LoRA adapter, from the peft_config peft attaches (no peft import)."""
     configs = getattr(model, "peft_config", None) or {}

@@ -10,6 +10,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import Tensor
 from transformers import DynamicCache
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from models.logprobs import evaluating, pad_batch, sampleable_vocab_size
 from rollout.engine import Completion, Engine, completion_text, oom_explained, torch_threads, validate_request
@@ -149,19 +150,11 @@ class TransformersDecoding:
 
 def truncate_logits(logits: Tensor, top_p: float, top_k: int) -> Tensor:
     """A copy of logits ([A, V] float32, divided by the temperature) with -inf outside the top-k set and outside
-    the smallest top-p nucleus; top_k 0 and top_p 1.0 keep everything, and the most likely token always stays."""
+    the top-p nucleus, by transformers' warpers: a token goes while the ascending cumulative mass up to it is
+    <= 1 - top_p, vLLM's rule. top_k 0 and top_p 1.0 keep everything, and the most likely token always stays."""
     if 0 < top_k < logits.shape[-1]:
-        kth_largest = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, sorted_index = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        # Mass strictly before each token: a token is dropped once the tokens above it already reach top_p,
-        # so the nucleus is the smallest prefix whose mass is >= top_p (and never empty).
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop_sorted = mass_before >= top_p  # back to vocabulary order below (sorted_index is a permutation)
-        logits = logits.masked_fill(drop_sorted.scatter(-1, sorted_index, drop_sorted), float("-inf"))
-    return logits
+        logits = TopKLogitsWarper(top_k)(None, logits)
+    return TopPLogitsWarper(top_p)(None, logits) if top_p < 1.0 else logits
 
 
 def sample_next_tokens(logits: Tensor, *, temperature: float, top_p: float, top_k: int,

@@ -117,12 +117,10 @@ class VLLMEngine:
         # vLLM refuses n > 1 when greedy; the n greedy completions are identical, so sample one and repeat it.
         samples_per_prompt = 1 if temperature == 0 else n
         params = [SamplingParams(
-            n=samples_per_prompt, temperature=temperature, top_p=top_p, top_k=top_k, min_p=0.0,
-            seed=None if seed is None else prompt_seed(seed, index),
-            max_tokens=max_new_tokens, min_tokens=0, stop=stop_strings, stop_token_ids=self.eos_token_ids,
-            include_stop_str_in_output=True, ignore_eos=False, skip_special_tokens=True,
-            repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
-            logprobs=0, allowed_token_ids=self.allowed_token_ids,
+            n=samples_per_prompt, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_new_tokens,
+            seed=None if seed is None else prompt_seed(seed, index), stop=stop_strings,
+            stop_token_ids=self.eos_token_ids, include_stop_str_in_output=True, logprobs=0,
+            allowed_token_ids=self.allowed_token_ids,
         ) for index in range(len(prompts))]
         requests = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts]
         with torch_threads(1), oom_explained(len(prompts) * n, max_new_tokens):
