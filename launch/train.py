@@ -49,8 +49,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="--dry-run: plan for this device instead of this machine's (only settings are checked)")
     parser.add_argument("--world-size", type=int,
                         help="--dry-run: plan for this many torchrun ranks (default: this launch's)")
-    parser.add_argument("--no-flash-attn", action="store_true",
-                        help="--dry-run --device cuda: plan for a node without flash-attn")
     parser.add_argument("--gpu-memory-gib", type=float,
                         help="--dry-run: check the memory estimate against GPUs of this size (default: this GPU's)")
     parser.add_argument("--model-config", help="--dry-run: the model's config.json for the memory estimate, where the "
@@ -152,9 +150,8 @@ def _dry_run(cfg: Config, dist: DistInfo, args: argparse.Namespace) -> None:
     """The checks of a real start before the model loads, then the config and, as stdout's last line, the plan as
     JSON. For another target (--device, --world-size) only the settings are checked: the files are the target's."""
     here = Target.here(dist.world_size, torchrun=dist.sharded)
-    target = Target(args.device or here.device, args.world_size or dist.world_size,
-                    not args.no_flash_attn and (here.flash_attn if args.device in (None, here.device) else True),
-                    torchrun=here.torchrun)
+    target = Target(args.device or here.device, args.world_size or dist.world_size,  # elsewhere: with flash-attn
+                    here.flash_attn if args.device in (None, here.device) else True, torchrun=here.torchrun)
     model = cfg.init_from or cfg.model.name_or_path or "<the embedded default's directory>"
     if target == here:
         prepared = prepare(cfg, dist)
