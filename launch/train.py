@@ -20,8 +20,8 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import yaml
@@ -57,22 +57,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-@dataclass
-class StopRequest:
-    """The stop signal this process received first (SIGINT or SIGTERM; 0 before any) and when, and the one every
-    rank agreed to stop for (the largest over ranks, so SIGTERM wins over SIGINT)."""
-    received: int = 0
-    since: float = 0.0
-    agreed: int = 0
-
-
 @contextmanager
 def interrupt_requests(announce: bool = True):
     """Ctrl-C (SIGINT) and a scheduler's preemption (SIGTERM) ask the loop to stop at the end of the current step,
-    so the checkpoint then written is one an uninterrupted run would have written; yields the StopRequest.
+    so the checkpoint then written is one an uninterrupted run would have written. Yields the request: `received`,
+    the stop signal this process received first (0 before any), `since` when, and `agreed`, the one every rank
+    stops for (set by the caller: the largest over ranks, so SIGTERM wins over SIGINT).
     A second SIGINT within 2 s is the same request (under torchrun a rank gets the terminal's and torchrun's copy);
     a later one aborts at once. A repeated SIGTERM never aborts: schedulers and torchrun resend it before SIGKILL."""
-    request = StopRequest()
+    request = SimpleNamespace(received=0, since=0.0, agreed=0)
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield request
         return
