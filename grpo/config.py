@@ -19,6 +19,12 @@ class ConfigError(ValueError):
     """A recipe, an override or a combination of settings that cannot run; the message names the key."""
 
 
+def refuse(condition, message: str) -> None:
+    """One rule of the settings: ConfigError(message), naming the keys and values, where `condition` holds."""
+    if condition:
+        raise ConfigError(message)
+
+
 @dataclass(frozen=True)
 class Range:
     """A numeric field's valid values: finite, in [low, high]; an open end excludes its bound; low None: unbounded."""
@@ -408,128 +414,109 @@ def check(cfg: Config, world_size: int = 1, *, whole_world: int | None = None) -
     the ranks that train; whole_world: the torchrun world's (more under rollout.placement=separate)."""
     trainer, rollout = cfg.trainer, cfg.rollout
     if cfg.stage == "rl":
-        if rollout.n < 2:
-            raise ConfigError(f"rollout.n={rollout.n}: a group needs at least 2 completions for a baseline")
+        refuse(rollout.n < 2, f"rollout.n={rollout.n}: a group needs at least 2 completions for a baseline")
         check_algorithm(cfg.algorithm)
         _check_rl(cfg, world_size)
         check_placement(cfg, whole_world or world_size)
-    if cfg.algorithm.overlong_cache_len > rollout.max_new_tokens:
-        raise ConfigError(f"algorithm.overlong_cache_len={cfg.algorithm.overlong_cache_len} exceeds "
-                          f"rollout.max_new_tokens={rollout.max_new_tokens}")
-    if trainer.eval_every > trainer.steps:
-        raise ConfigError(f"trainer.eval_every={trainer.eval_every} exceeds trainer.steps={trainer.steps}: no "
-                          "held-out point would fall inside the run (0 scores before and after only)")
-    if trainer.save_every and trainer.checkpoint == "none":
-        raise ConfigError(f"trainer.save_every={trainer.save_every} with trainer.checkpoint=none: nothing would be "
-                          f"written; set trainer.save_every=0 or trainer.checkpoint=full")
-    if trainer.eval_every and not cfg.data.eval_files:
-        raise ConfigError(f"trainer.eval_every={trainer.eval_every} needs held-out rows: data.eval_files is empty")
-    if cfg.reward.timeout_s is not None and cfg.reward.num_workers == 0:
-        raise ConfigError(f"reward.timeout_s={cfg.reward.timeout_s} needs reward.num_workers >= 1: a reward call "
-                          "that hangs inside the training process cannot be abandoned")
-    if any("search" in names for names in rollout.tools.values()) and rollout.search_index is None:
-        raise ConfigError("rollout.tools names the search tool but rollout.search_index is null: build an index "
-                          "with `python -m data.scifact --search --out DIR` and name DIR/search_index")
-    if rollout.tensor_parallel_size > 1 and rollout.engine != "vllm":
-        raise ConfigError(f"rollout.tensor_parallel_size={rollout.tensor_parallel_size} needs rollout.engine=vllm "
-                          f"(the transformers engine runs on one rank)")
+    refuse(cfg.algorithm.overlong_cache_len > rollout.max_new_tokens, f"algorithm.overlong_cache_len="
+           f"{cfg.algorithm.overlong_cache_len} exceeds rollout.max_new_tokens={rollout.max_new_tokens}")
+    refuse(trainer.eval_every > trainer.steps, f"trainer.eval_every={trainer.eval_every} exceeds trainer.steps="
+           f"{trainer.steps}: no held-out point would fall inside the run (0 scores before and after only)")
+    refuse(trainer.save_every and trainer.checkpoint == "none", f"trainer.save_every={trainer.save_every} with "
+           f"trainer.checkpoint=none: nothing would be written; set trainer.save_every=0 or trainer.checkpoint=full")
+    refuse(trainer.eval_every and not cfg.data.eval_files,
+           f"trainer.eval_every={trainer.eval_every} needs held-out rows: data.eval_files is empty")
+    refuse(cfg.reward.timeout_s is not None and cfg.reward.num_workers == 0, f"reward.timeout_s={cfg.reward.timeout_s} "
+           "needs reward.num_workers >= 1: a reward call that hangs inside the training process cannot be abandoned")
+    refuse(any("search" in names for names in rollout.tools.values()) and rollout.search_index is None,
+           "rollout.tools names the search tool but rollout.search_index is null: build an index with "
+           "`python -m data.scifact --search --out DIR` and name DIR/search_index")
+    refuse(rollout.tensor_parallel_size > 1 and rollout.engine != "vllm", f"rollout.tensor_parallel_size="
+           f"{rollout.tensor_parallel_size} needs rollout.engine=vllm (the transformers engine runs on one rank)")
     needed = cfg.data.max_prompt_tokens + max(rollout.max_new_tokens, trainer.eval_max_new_tokens)
-    if rollout.engine == "vllm" and rollout.max_model_len is not None and rollout.max_model_len < needed:
-        raise ConfigError(f"rollout.max_model_len={rollout.max_model_len} cannot hold the longest prompt allowed "
-                          f"(data.max_prompt_tokens={cfg.data.max_prompt_tokens}) plus "
-                          f"{needed - cfg.data.max_prompt_tokens} new tokens: {needed} would fit "
-                          f"(or null to size it so)")
+    refuse(rollout.engine == "vllm" and rollout.max_model_len is not None and rollout.max_model_len < needed,
+           f"rollout.max_model_len={rollout.max_model_len} cannot hold the longest prompt allowed "
+           f"(data.max_prompt_tokens={cfg.data.max_prompt_tokens}) plus {needed - cfg.data.max_prompt_tokens} new "
+           f"tokens: {needed} would fit (or null to size it so)")
     model = cfg.model
-    if model.attn_implementation == "flash_attention_2" and model.param_dtype not in ("bfloat16", "float16"):
-        raise ConfigError(f"model.attn_implementation=flash_attention_2 computes in bf16/fp16 only, but "
-                          f"model.param_dtype={model.param_dtype}; set model.param_dtype=bfloat16 or use sdpa")
-    if model.packed_logprobs and model.attn_implementation == "eager":
-        raise ConfigError("model.packed_logprobs=true runs on sdpa or flash_attention_2; "
-                          "model.attn_implementation=eager cannot pack")
+    refuse(model.attn_implementation == "flash_attention_2" and model.param_dtype not in ("bfloat16", "float16"),
+           f"model.attn_implementation=flash_attention_2 computes in bf16/fp16 only, but model.param_dtype="
+           f"{model.param_dtype}; set model.param_dtype=bfloat16 or use sdpa")
+    refuse(model.packed_logprobs and model.attn_implementation == "eager", "model.packed_logprobs=true runs on sdpa "
+           "or flash_attention_2; model.attn_implementation=eager cannot pack")
 
 
 def check_algorithm(algo: AlgorithmConfig) -> None:
     """The algorithm settings that contradict each other."""
-    if algo.ratio_level == "sequence" and max(algo.clip_low, algo.clip_high) > SEQUENCE_CLIP_LIMIT:
-        raise ConfigError(f"algorithm.ratio_level=sequence (GSPO) with algorithm.clip_low={algo.clip_low}, "
-                          f"algorithm.clip_high={algo.clip_high}: a sequence ratio is exp of a MEAN log-ratio and "
-                          f"moves far less than a token's, so a token-level range never clips; GSPO uses "
-                          f"clip_low=3e-4, clip_high=4e-4 (at most {SEQUENCE_CLIP_LIMIT} accepted)")
-    if algo.policy_loss == "cispo" and (algo.dual_clip is not None or algo.ratio_level != "token"):
-        raise ConfigError(f"algorithm.policy_loss=cispo weighs each token by its clipped ratio: it takes no "
-                          f"algorithm.dual_clip ({algo.dual_clip}) and ratio_level token (got {algo.ratio_level})")
-    if algo.ratio_level == "sequence" and algo.agg != GSPO_AGGREGATION:
-        # A token mean would weight each sequence by its length: another objective (verl forces this one for GSPO).
-        raise ConfigError(f"algorithm.ratio_level=sequence (GSPO) with algorithm.agg={algo.agg}: GSPO's objective "
-                          f"is a mean over sequences; set algorithm.agg={GSPO_AGGREGATION}")
-    if algo.adv_estimator == "none" and (algo.teacher is None or algo.distill_coef == 0 or algo.dynamic_sampling):
-        raise ConfigError(f"algorithm.adv_estimator=none trains on distillation alone: it needs algorithm.teacher (got "
-                          f"{algo.teacher}), algorithm.distill_coef > 0 (got {algo.distill_coef}) and no "
-                          f"algorithm.dynamic_sampling (it would drop every group whose rewards are flat)")
-    if algo.kl_in_reward and algo.kl_coef <= 0:
-        raise ConfigError(f"algorithm.kl_in_reward=true needs algorithm.kl_coef > 0 (got {algo.kl_coef}): it "
-                          f"is the coefficient of the KL subtracted from the reward")
+    refuse(algo.ratio_level == "sequence" and max(algo.clip_low, algo.clip_high) > SEQUENCE_CLIP_LIMIT,
+           f"algorithm.ratio_level=sequence (GSPO) with algorithm.clip_low={algo.clip_low}, algorithm.clip_high="
+           f"{algo.clip_high}: a sequence ratio is exp of a MEAN log-ratio and moves far less than a token's, so a "
+           f"token-level range never clips; GSPO uses clip_low=3e-4, clip_high=4e-4 (at most {SEQUENCE_CLIP_LIMIT} "
+           f"accepted)")
+    refuse(algo.policy_loss == "cispo" and (algo.dual_clip is not None or algo.ratio_level != "token"),
+           f"algorithm.policy_loss=cispo weighs each token by its clipped ratio: it takes no algorithm.dual_clip "
+           f"({algo.dual_clip}) and ratio_level token (got {algo.ratio_level})")
+    # A token mean would weight each sequence by its length: another objective (verl forces this one for GSPO).
+    refuse(algo.ratio_level == "sequence" and algo.agg != GSPO_AGGREGATION, f"algorithm.ratio_level=sequence (GSPO) "
+           f"with algorithm.agg={algo.agg}: GSPO's objective is a mean over sequences; set algorithm.agg="
+           f"{GSPO_AGGREGATION}")
+    refuse(algo.adv_estimator == "none" and (algo.teacher is None or algo.distill_coef == 0 or algo.dynamic_sampling),
+           f"algorithm.adv_estimator=none trains on distillation alone: it needs algorithm.teacher (got "
+           f"{algo.teacher}), algorithm.distill_coef > 0 (got {algo.distill_coef}) and no algorithm.dynamic_sampling "
+           f"(it would drop every group whose rewards are flat)")
+    refuse(algo.kl_in_reward and algo.kl_coef <= 0, f"algorithm.kl_in_reward=true needs algorithm.kl_coef > 0 (got "
+           f"{algo.kl_coef}): it is the coefficient of the KL subtracted from the reward")
 
 
 def _check_rl(cfg: Config, world_size: int) -> None:
     """The RL batch arithmetic, and settings of different sections that contradict each other."""
     algo, trainer, rollout = cfg.algorithm, cfg.trainer, cfg.rollout
     mini = algo.ppo_mini_batch_size
-    if mini is not None and (mini % world_size or trainer.prompts_per_step % (mini // world_size)):
-        raise ConfigError(f"algorithm.ppo_mini_batch_size={mini} (prompts per optimizer step over all "
-                          f"{world_size} ranks, as in verl) must be a multiple of the world size {world_size} "
-                          f"whose share per rank divides trainer.prompts_per_step={trainer.prompts_per_step} "
-                          f"(per rank): e.g. {trainer.prompts_per_step * world_size} for one optimizer step per "
-                          f"rollout")
+    refuse(mini is not None and (mini % world_size or trainer.prompts_per_step % (mini // world_size)),
+           f"algorithm.ppo_mini_batch_size={mini} (prompts per optimizer step over all {world_size} ranks, as in "
+           f"verl) must be a multiple of the world size {world_size} whose share per rank divides "
+           f"trainer.prompts_per_step={trainer.prompts_per_step} (per rank): e.g. "
+           f"{trainer.prompts_per_step * world_size} for one optimizer step per rollout")
     rows = (mini // world_size if mini else trainer.prompts_per_step) * rollout.n
     size = trainer.micro_batch_size
-    if not trainer.max_tokens_per_micro_batch and rows % size and size < rows:
-        raise ConfigError(f"trainer.micro_batch_size={size} does not divide the mini-batch of {rows} sequences "
-                          f"((algorithm.ppo_mini_batch_size or trainer.prompts_per_step) * rollout.n)")
-    if not ESTIMATORS[algo.adv_estimator].token_returns and cfg.reward.sentence_coef > 0:
-        # Refused here rather than at the first sentence reward: one rank raising alone would leave the others
-        # waiting in a collective.
-        raise ConfigError(f"algorithm.adv_estimator={algo.adv_estimator} is defined for outcome rewards only; set "
-                          f"reward.sentence_coef=0 (or use grpo, dr_grpo or batch_std for sentence rewards)")
-    if algo.tis_cap is not None and (rollout.top_p < 1 or rollout.top_k > 0):
-        # exp(old - rollout) would be each token's nucleus mass (the engines report logprobs of the renormalised
-        # nucleus), a down-weighting of uncertain tokens, not the engine/trainer mismatch truncated IS corrects.
-        raise ConfigError(f"algorithm.tis_cap={algo.tis_cap} with rollout.top_p={rollout.top_p}, rollout.top_k="
-                          f"{rollout.top_k}: truncated importance sampling compares the engine's logprobs of the "
-                          f"truncated distribution with the trainer's of the full one; sample with top_p: 1.0 "
-                          f"and top_k: 0, or set algorithm.tis_cap: null")
+    refuse(not trainer.max_tokens_per_micro_batch and rows % size and size < rows,
+           f"trainer.micro_batch_size={size} does not divide the mini-batch of {rows} sequences "
+           f"((algorithm.ppo_mini_batch_size or trainer.prompts_per_step) * rollout.n)")
+    # Refused here rather than at the first sentence reward: one rank raising alone would leave the others waiting
+    # in a collective.
+    refuse(not ESTIMATORS[algo.adv_estimator].token_returns and cfg.reward.sentence_coef > 0,
+           f"algorithm.adv_estimator={algo.adv_estimator} is defined for outcome rewards only; set "
+           f"reward.sentence_coef=0 (or use grpo, dr_grpo or batch_std for sentence rewards)")
+    # exp(old - rollout) would be each token's nucleus mass (the engines report logprobs of the renormalised
+    # nucleus), a down-weighting of uncertain tokens, not the engine/trainer mismatch truncated IS corrects.
+    refuse(algo.tis_cap is not None and (rollout.top_p < 1 or rollout.top_k > 0),
+           f"algorithm.tis_cap={algo.tis_cap} with rollout.top_p={rollout.top_p}, rollout.top_k={rollout.top_k}: "
+           f"truncated importance sampling compares the engine's logprobs of the truncated distribution with the "
+           f"trainer's of the full one; sample with top_p: 1.0 and top_k: 0, or set algorithm.tis_cap: null")
 
 
 def check_placement(cfg: Config, world_size: int) -> None:
     """The rules of rollout.placement and its replicas; world_size: the whole torchrun world."""
     rollout, algo = cfg.rollout, cfg.algorithm
     if rollout.placement == "colocated":
-        if rollout.num_ranks:
-            raise ConfigError(f"rollout.num_ranks={rollout.num_ranks} needs rollout.placement=separate")
-        if algo.max_staleness:
-            raise ConfigError(f"algorithm.max_staleness={algo.max_staleness} needs rollout.placement=separate: "
-                              f"colocated ranks generate with the weights they train")
-        if world_size % rollout.tp_size:
-            raise ConfigError(f"rollout.tensor_parallel_size={rollout.tp_size} does not divide the world size "
-                              f"{world_size}: every rank must belong to one replica")
+        refuse(rollout.num_ranks, f"rollout.num_ranks={rollout.num_ranks} needs rollout.placement=separate")
+        refuse(algo.max_staleness, f"algorithm.max_staleness={algo.max_staleness} needs rollout.placement=separate: "
+               f"colocated ranks generate with the weights they train")
+        refuse(world_size % rollout.tp_size, f"rollout.tensor_parallel_size={rollout.tp_size} does not divide the "
+               f"world size {world_size}: every rank must belong to one replica")
         return
-    if not 0 < rollout.num_ranks < world_size:
-        raise ConfigError(f"rollout.placement=separate with rollout.num_ranks={rollout.num_ranks} in a world of "
-                          f"{world_size} ranks: at least one rank must generate and at least one must train "
-                          f"(launch with torchrun --nproc_per_node >= {rollout.num_ranks + 1})")
-    if rollout.tp_size > 1:
-        # A rollout rank's vLLM runs in a process and a world of its own (launch.plan.vllm_arguments); spanning
-        # several rollout ranks' devices with one tensor-parallel engine is not built.
-        raise ConfigError(f"rollout.tensor_parallel_size={rollout.tp_size} with rollout.placement=separate: each "
-                          f"rollout rank runs one engine on its own device (tensor_parallel_size 1); use more "
-                          f"rollout.num_ranks")
+    refuse(not 0 < rollout.num_ranks < world_size, f"rollout.placement=separate with rollout.num_ranks="
+           f"{rollout.num_ranks} in a world of {world_size} ranks: at least one rank must generate and at least one "
+           f"must train (launch with torchrun --nproc_per_node >= {rollout.num_ranks + 1})")
+    # A rollout rank's vLLM runs in a process and a world of its own (launch.plan.vllm_arguments); spanning several
+    # rollout ranks' devices with one tensor-parallel engine is not built.
+    refuse(rollout.tp_size > 1, f"rollout.tensor_parallel_size={rollout.tp_size} with rollout.placement=separate: "
+           f"each rollout rank runs one engine on its own device (tensor_parallel_size 1); use more rollout.num_ranks")
     trainers, replicas = world_size - rollout.num_ranks, rollout.num_ranks
-    if trainers % replicas:
-        raise ConfigError(f"rollout.num_ranks={rollout.num_ranks} makes {replicas} engine replicas, which do not "
-                          f"divide the {trainers} trainer ranks: each replica serves an equal share of them")
-    if algo.max_staleness and algo.tis_cap is None:
-        raise ConfigError(f"algorithm.max_staleness={algo.max_staleness} needs algorithm.tis_cap: the batches come "
-                          f"from an older policy, which truncated importance sampling corrects")
+    refuse(trainers % replicas, f"rollout.num_ranks={rollout.num_ranks} makes {replicas} engine replicas, which do "
+           f"not divide the {trainers} trainer ranks: each replica serves an equal share of them")
+    refuse(algo.max_staleness and algo.tis_cap is None, f"algorithm.max_staleness={algo.max_staleness} needs "
+           f"algorithm.tis_cap: the batches come from an older policy, which truncated importance sampling corrects")
 
 
 def startup_warnings(cfg: Config) -> list[str]:

@@ -160,12 +160,11 @@ class Batch:
     mask: Tensor  # [B, T] completion tokens times loss_weight: what the loss trains on
     token_shaping: Tensor  # [B, T] sentence shaping
     components: dict[str, list[float]]
-    rounds: int
-    generated_groups: int
+    rounds: int  # generation rounds it took (dynamic sampling: up to algorithm.max_gen_batches)
     policy_version: int = 0  # optimizer steps of the weights that generated it (staleness: the step minus this)
 
     @classmethod
-    def from_groups(cls, groups: Sequence[Group], weights: Sequence[float], *, rounds: int, generated: int) -> Batch:
+    def from_groups(cls, groups: Sequence[Group], weights: Sequence[float], *, rounds: int) -> Batch:
         completions = [c for g in groups for c in g.completions]
         width = max((len(c.completion_ids) for c in completions), default=0)
         loss_weight = torch.tensor([w for g, w in zip(groups, weights) for _ in g.completions], dtype=torch.float32)
@@ -183,7 +182,7 @@ class Batch:
         return cls(completions=completions, rows=[r for g in groups for r in g.rows],
                    rewards=torch.cat([g.rewards for g in groups]), correct=torch.cat([g.correct for g in groups]),
                    lengths=lengths, loss_weight=loss_weight, mask=mask, token_shaping=token_shaping,
-                   components=components, rounds=rounds, generated_groups=generated)
+                   components=components, rounds=rounds)
 
 
 class Rollout(Protocol):
@@ -251,8 +250,7 @@ class LocalRollout:
         chosen = kept[:wanted]
         weights = [1.0] * len(chosen) + [0.0] * (wanted - len(chosen))
         chosen += dropped[: wanted - len(chosen)]
-        return [Batch.from_groups(chosen[index:index + num_prompts], weights[index:index + num_prompts],
-                                  rounds=rounds, generated=rounds * num_prompts)
+        return [Batch.from_groups(chosen[index:index + num_prompts], weights[index:index + num_prompts], rounds=rounds)
                 for index in range(0, wanted, num_prompts)]
 
     def sync_weights(self) -> dict:

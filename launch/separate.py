@@ -74,30 +74,6 @@ def _wait(work, source: int, timeout_s: float) -> None:
         raise RuntimeError(f"Timed out after {timeout_s:g} s waiting for a message from rank {source}")
 
 
-def broadcast_weights(model, group, header: Header, *, bucket_bytes: int, sender: bool,
-                      dtype: torch.dtype | None = None) -> dict:
-    """Every trainer rank gathers the policy's full tensors (FSDP2) in the engines' `dtype`; trainer 0 broadcasts
-    the header, then each bucket (a manifest of names, shapes and dtypes, then one flat tensor per dtype)."""
-    started, total, count = time.perf_counter(), 0, 0
-    if sender:
-        torch_dist.broadcast_object_list([header], src=0, group=group)
-    if header.stop:
-        return {}
-    for bucket in bucketed(merged_state_dict(model, dtype), bucket_bytes):
-        count += 1
-        total += sum(tensor_bytes(tensor) for _, tensor in bucket)
-        if sender:
-            manifest = [(name, tuple(tensor.shape), tensor.dtype) for name, tensor in bucket]
-            torch_dist.broadcast_object_list([manifest], src=0, group=group)
-            for dtype in sorted({entry[2] for entry in manifest}, key=str):
-                flat = torch.cat([tensor.reshape(-1) for _, tensor in bucket if tensor.dtype == dtype])
-                torch_dist.broadcast(flat.contiguous(), src=0, group=group)
-        del bucket
-    if sender:
-        torch_dist.broadcast_object_list([None], src=0, group=group)  # the end of this version's buckets
-    return {"sync/seconds": time.perf_counter() - started, "sync/bytes": float(total), "sync/buckets": float(count)}
-
-
 def receive_weights(engine, group, device: torch.device) -> Header:
     """A rollout rank: trainer 0's header and, unless a stop, each bucket, loaded into the engine as it arrives."""
     holder = [None]
@@ -146,8 +122,29 @@ class RemoteRollout:
         return self.messages[step]
 
     def _broadcast(self, header: Header) -> dict:
-        return broadcast_weights(self.model, self.links.weights, header, bucket_bytes=self.bucket_bytes,
-                                 sender=self.sender, dtype=getattr(torch, self.cfg.model.param_dtype))
+        """Every trainer rank gathers the policy's full tensors (FSDP2) in the engines' dtype (model.param_dtype);
+        trainer 0 broadcasts the header, then each bucket (a manifest of names, shapes and dtypes, then one flat
+        tensor per dtype): what receive_weights loads."""
+        group, sender = self.links.weights, self.sender
+        started, total, count = time.perf_counter(), 0, 0
+        if sender:
+            torch_dist.broadcast_object_list([header], src=0, group=group)
+        if header.stop:
+            return {}
+        for bucket in bucketed(merged_state_dict(self.model, getattr(torch, self.cfg.model.param_dtype)),
+                                self.bucket_bytes):
+            count += 1
+            total += sum(tensor_bytes(tensor) for _, tensor in bucket)
+            if sender:
+                manifest = [(name, tuple(tensor.shape), tensor.dtype) for name, tensor in bucket]
+                torch_dist.broadcast_object_list([manifest], src=0, group=group)
+                for dtype in sorted({entry[2] for entry in manifest}, key=str):
+                    flat = torch.cat([tensor.reshape(-1) for _, tensor in bucket if tensor.dtype == dtype])
+                    torch_dist.broadcast(flat.contiguous(), src=0, group=group)
+            del bucket
+        if sender:
+            torch_dist.broadcast_object_list([None], src=0, group=group)  # the end of this version's buckets
+        return {"sync/seconds": time.perf_counter() - started, "sync/bytes": float(total), "sync/buckets": float(count)}
 
     def start(self, start_step: int, positions: list[int]) -> dict:
         """Send the start (first step, each replica's data position: a trainer's checkpointed one) and v_start."""

@@ -20,8 +20,8 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import yaml
@@ -49,8 +49,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="--dry-run: plan for this device instead of this machine's (only settings are checked)")
     parser.add_argument("--world-size", type=int,
                         help="--dry-run: plan for this many torchrun ranks (default: this launch's)")
-    parser.add_argument("--no-flash-attn", action="store_true",
-                        help="--dry-run --device cuda: plan for a node without flash-attn")
     parser.add_argument("--gpu-memory-gib", type=float,
                         help="--dry-run: check the memory estimate against GPUs of this size (default: this GPU's)")
     parser.add_argument("--model-config", help="--dry-run: the model's config.json for the memory estimate, where the "
@@ -59,22 +57,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-@dataclass
-class StopRequest:
-    """The stop signal this process received first (SIGINT or SIGTERM; 0 before any) and when, and the one every
-    rank agreed to stop for (the largest over ranks, so SIGTERM wins over SIGINT)."""
-    received: int = 0
-    since: float = 0.0
-    agreed: int = 0
-
-
 @contextmanager
 def interrupt_requests(announce: bool = True):
     """Ctrl-C (SIGINT) and a scheduler's preemption (SIGTERM) ask the loop to stop at the end of the current step,
-    so the checkpoint then written is one an uninterrupted run would have written; yields the StopRequest.
+    so the checkpoint then written is one an uninterrupted run would have written. Yields the request: `received`,
+    the stop signal this process received first (0 before any), `since` when, and `agreed`, the one every rank
+    stops for (set by the caller: the largest over ranks, so SIGTERM wins over SIGINT).
     A second SIGINT within 2 s is the same request (under torchrun a rank gets the terminal's and torchrun's copy);
     a later one aborts at once. A repeated SIGTERM never aborts: schedulers and torchrun resend it before SIGKILL."""
-    request = StopRequest()
+    request = SimpleNamespace(received=0, since=0.0, agreed=0)
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield request
         return
@@ -152,9 +143,8 @@ def _dry_run(cfg: Config, dist: DistInfo, args: argparse.Namespace) -> None:
     """The checks of a real start before the model loads, then the config and, as stdout's last line, the plan as
     JSON. For another target (--device, --world-size) only the settings are checked: the files are the target's."""
     here = Target.here(dist.world_size, torchrun=dist.sharded)
-    target = Target(args.device or here.device, args.world_size or dist.world_size,
-                    not args.no_flash_attn and (here.flash_attn if args.device in (None, here.device) else True),
-                    torchrun=here.torchrun)
+    target = Target(args.device or here.device, args.world_size or dist.world_size,  # elsewhere: with flash-attn
+                    here.flash_attn if args.device in (None, here.device) else True, torchrun=here.torchrun)
     model = cfg.init_from or cfg.model.name_or_path or "<the embedded default's directory>"
     if target == here:
         prepared = prepare(cfg, dist)

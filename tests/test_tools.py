@@ -151,7 +151,7 @@ def test_tool_tokens_carry_no_loss_advantage_or_gradient():
     completions = [Completion([1], [5, 6, 7, 8, 9], "", [-1.0] * 5, "stop", mask=[1, 1, 0, 0, 1]),
                    Completion([1], [5, 6, 7], "", [-1.0] * 3, "stop")]
     group = Group(completions, [{}] * 2, torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0]), torch.zeros(2, 5), {})
-    batch = Batch.from_groups([group], [1.0], rounds=1, generated=1)
+    batch = Batch.from_groups([group], [1.0], rounds=1)
     assert batch.mask.tolist() == [[1, 1, 0, 0, 1], [1, 1, 1, 0, 0]] and batch.lengths.tolist() == [3, 3]
     advantages = compute_advantages("grpo", batch.rewards, batch.token_shaping, batch.mask, 2)
     assert advantages[0, 2:4].tolist() == [0.0, 0.0] and advantages[0, 0] > 0
