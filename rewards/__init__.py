@@ -98,16 +98,12 @@ def scoped_registry():
 
 def compute_score(data_source: str, solution_str: str, ground_truth: object,
                   extra_info: dict | None = None) -> float | dict:
-    """verl's entry point: the reward for data_source on one completion, checked by check_result."""
+    """verl's entry point: the reward for data_source on one completion, if it is a finite number (returned as a
+    float) or a dict with a finite "score" and sentence spans inside the completion; ValueError naming the reward
+    and the value otherwise."""
     if not isinstance(solution_str, str):
         raise TypeError(f"solution_str must be a str, got {type(solution_str).__name__}")
-    return check_result(data_source, solution_str,
-                        get_reward(data_source)(data_source, solution_str, ground_truth, extra_info))
-
-
-def check_result(data_source: str, solution_str: str, result: object) -> float | dict:
-    """A reward's result if it is a finite number (returned as a float) or a dict with a finite "score" and
-    sentence spans inside the completion; ValueError naming the reward and the value otherwise."""
+    result = get_reward(data_source)(data_source, solution_str, ground_truth, extra_info)
     score = result.get("score") if isinstance(result, dict) else result
     if not isinstance(score, (int, float)) or not math.isfinite(score):  # bool is an int: True scores 1
         raise ValueError(f"reward {data_source!r} returned {result!r:.200}: expected a finite number or a dict with "
