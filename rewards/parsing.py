@@ -92,11 +92,8 @@ def split_sentences(text: str) -> list[tuple[int, int]]:
 def think_answer_format(text: str) -> bool:
     """True for exactly `<think>T</think><answer>A</answer>`, each tag once (case-insensitive), only whitespace
     around and between the blocks, at least MIN_THINK_WORDS words in T and a non-empty A."""
-    for name in ("think", "answer"):
-        for closing in (False, True):
-            matches = _tag(name, closing).finditer(text)
-            if next(matches, None) is None or next(matches, None) is not None:
-                return False
+    if any(len(_tag(name, closing).findall(text)) != 1 for name in ("think", "answer") for closing in (False, True)):
+        return False
     match = _THINK_ANSWER.fullmatch(text)  # with every tag once, linear
     return match is not None and len(_WORD.findall(match.group(1))) >= MIN_THINK_WORDS and bool(match.group(2).strip())
 
