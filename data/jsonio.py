@@ -109,8 +109,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
             os.fsync(handle.fileno())
         os.replace(temporary, path)
     finally:
-        if temporary.exists():
-            temporary.unlink()
+        temporary.unlink(missing_ok=True)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
