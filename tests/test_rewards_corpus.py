@@ -178,6 +178,7 @@ def test_engine_path_quirk_and_working_directory(tmp_path, tiny_index):
     normal, odd = CorpusIndex(tiny_index), CorpusIndex(quirky)
     for head, tail in [(["Paris"], ["France"]), (["Curie"], ["Paris"]), (["Nobel"], ["Physics"])]:
         assert odd.count_cooccurrence(head, tail, 3) == normal.count_cooccurrence(head, tail, 3) > 0
+    assert len(list(quirky.iterdir())) == 5  # removing the neutral link left the index itself alone
 
 
 def test_builder_failure_becomes_runtime_error_and_cleans_up(tmp_path):
@@ -341,8 +342,9 @@ def test_small_vocabulary_keeps_one_token_per_word(tmp_path):
 def test_cli_build_and_count(tmp_path):
     corpus = write_jsonl(tmp_path / "c.jsonl", TINY)
     environment = {**os.environ, "PYTHONPATH": str(ROOT)}
-    build = subprocess.run([sys.executable, "-m", "rewards.corpus", "build", "--input", str(corpus), "--out",
-                            str(tmp_path / "index")], capture_output=True, text=True, env=environment, timeout=120)
+    # a relative --out: the builder chdirs, so it must be handed the absolute path
+    build = subprocess.run([sys.executable, "-m", "rewards.corpus", "build", "--input", str(corpus), "--out", "index"],
+                           cwd=tmp_path, capture_output=True, text=True, env=environment, timeout=120)
     assert build.returncode == 0, build.stderr
     assert "4 documents" in build.stdout
     count = subprocess.run([sys.executable, "-m", "rewards.corpus", "count", "--index", str(tmp_path / "index"),
