@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.util
 import math
+import runpy
 from collections.abc import Callable
-from pathlib import Path
 
 from rewards.arithmetic import arithmetic_reward
 from rewards.factqa import factqa_corpus_reward
@@ -54,17 +53,12 @@ def load_function(name: str) -> Callable:
         raise ValueError("not registered")
     try:
         if module_name.endswith(".py"):
-            path = Path(module_name)
-            if not path.is_file():
-                raise ValueError(f"file {path} does not exist")
-            spec = importlib.util.spec_from_file_location(f"_nanogrpo_reward_{path.stem}", path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
+            namespace = runpy.run_path(module_name)
         else:
-            module = importlib.import_module(module_name)
-    except ImportError as error:
+            namespace = vars(importlib.import_module(module_name))
+    except (ImportError, OSError) as error:  # OSError: no such .py file
         raise ValueError(f"cannot import {module_name}: {error}") from None
-    function = getattr(module, attribute, None)
+    function = namespace.get(attribute)
     if not callable(function):
         raise ValueError(f"{module_name} has no function {attribute!r}")
     return function
