@@ -127,9 +127,8 @@ class ExternalTokenizer:
 
     PROBE = "The quick brown fox, 1903: Marie Curie's Nobel Prize."
 
-    def __init__(self, encode_fn: Callable[[str], list[int]], name: str = "external") -> None:
+    def __init__(self, encode_fn: Callable[[str], list[int]]) -> None:
         self.encode_fn = encode_fn
-        self.name = name
 
     def encode(self, text: str) -> list[int]:
         return [int(token) for token in self.encode_fn(text)]

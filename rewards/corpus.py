@@ -164,7 +164,7 @@ def build_index(input_path: str | os.PathLike, out_dir: str | os.PathLike, *, te
             raise ValueError(f"{input_path} has {len(tokenizer.vocabulary):,} distinct words; the index holds at most "
                              f"{MAX_PAIR_ID:,} (two 16-bit tokens per word id)")
     else:
-        tokenizer = ExternalTokenizer(encode_fn, tokenizer_name)
+        tokenizer = ExternalTokenizer(encode_fn)
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -257,7 +257,7 @@ class CorpusIndex(CooccurrenceCounter):
             if encode_fn is None:
                 raise ValueError(f"corpus index {path} was built with tokenizer "
                                  f"{meta['tokenizer'].get('name')!r}: pass its encode_fn")
-            tokenizer = ExternalTokenizer(encode_fn, meta["tokenizer"].get("name", "external"))
+            tokenizer = ExternalTokenizer(encode_fn)
             if tokenizer.fingerprint() != meta["tokenizer"].get("fingerprint"):
                 raise ValueError(f"corpus index {path}: encode_fn is not the tokenizer the index was built with")
         super().__init__(tokenizer, cache_positions=cache_positions, semantics=semantics)
