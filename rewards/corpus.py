@@ -160,9 +160,6 @@ def build_index(input_path: str | os.PathLike, out_dir: str | os.PathLike, *, te
         raise ValueError(f"index directory {out_dir} exists and is not empty; choose a new --out")
     if encode_fn is None:
         tokenizer: WordTokenizer | ExternalTokenizer = WordTokenizer.fit(read_texts(input_path, text_field))
-        if len(tokenizer.vocabulary) > MAX_PAIR_ID:  # fails before anything is written
-            raise ValueError(f"{input_path} has {len(tokenizer.vocabulary):,} distinct words; the index holds at most "
-                             f"{MAX_PAIR_ID:,} (two 16-bit tokens per word id)")
     else:
         tokenizer = ExternalTokenizer(encode_fn)
     created = not out_dir.exists()

@@ -288,9 +288,10 @@ def test_layout_by_largest_id():
 
 
 def test_more_distinct_words_than_the_index_holds_fail_naming_the_number(tmp_path, monkeypatch):
-    # a billion distinct words cannot be made in a test: the limit is lowered to 3 instead
+    # a billion distinct words cannot be made in a test: the limits are lowered instead (word ids 1..4)
+    monkeypatch.setattr("rewards.corpus.MAX_SINGLE_ID", 1)
     monkeypatch.setattr("rewards.corpus.MAX_PAIR_ID", 3)
-    with pytest.raises(ValueError, match="has 4 distinct words; the index holds at most 3"):
+    with pytest.raises(ValueError, match="c.jsonl has token id 4, beyond the largest id the index stores, 3 "):
         build_index(write_jsonl(tmp_path / "c.jsonl", ["a b", "c d"]), tmp_path / "index")
     assert not (tmp_path / "index").exists()
 
