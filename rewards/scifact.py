@@ -85,8 +85,7 @@ def evidence_score(items: list[str], gold: tuple[Counter, ...]) -> float:
     """Mean over predicted items of the best token F1 against any gold item; 0 if either side is empty."""
     if not items or not gold:
         return 0.0
-    bags = map(token_bag, items)
-    return sum(max(bag_f1(bag, gold_bag) for gold_bag in gold) for bag in bags) / len(items)
+    return sum(max(bag_f1(bag, gold_bag) for gold_bag in gold) for bag in map(token_bag, items)) / len(items)
 
 
 def completion_parts(solution_str: str) -> tuple[str | None, list[str], float, float]:
