@@ -203,9 +203,8 @@ def check_index(path: Path) -> dict:
         raise ValueError(f"corpus index {path}: {META_FILE} is not a {FORMAT} version 1 or {VERSION} file{fix}")
     try:
         meta.setdefault("layout", "u16")  # version 1 had only this layout
-        if meta["token_dtype"] != "u16" or meta["layout"] not in TOKENS_PER_ID:
-            raise ValueError(f"token_dtype {meta['token_dtype']!r} / layout {meta['layout']!r} is not u16 / "
-                             f"one of {list(TOKENS_PER_ID)}")
+        if meta["layout"] not in TOKENS_PER_ID:  # each layout stores 16-bit tokens
+            raise ValueError(f"layout {meta['layout']!r} is not one of {list(TOKENS_PER_ID)}")
         tokens, data_bytes, documents, pointer_bytes = (
             int(meta[key]) for key in ("tokens", "data_bytes", "documents", "pointer_bytes"))
         expected = {"tokenized.0": data_bytes, "offset.0": 8 * documents, "table.0": tokens * pointer_bytes}
