@@ -14,14 +14,9 @@ from typing import Any, Callable, Iterator
 MAX_LINE_BYTES = 4 * 1024 * 1024
 
 
-def _clip(text: str) -> str:
-    """The first 60 characters of `text` for an error message (never the whole 10 MB line)."""
-    return text[:60] + "..." if len(text) > 60 else text
-
-
 def describe(value: Any) -> str:
-    """A value's type and the start of its repr, for an error message: `int 4`, `str 'abc'`."""
-    return f"{type(value).__name__} {_clip(repr(value))}"
+    """A value's type and the first 60 characters of its repr, for an error message: `int 4`, `str 'abc'`."""
+    return f"{type(value).__name__} {value!r:.60}"
 
 
 def check_file(path: Path) -> None:
@@ -60,7 +55,7 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[str, dict]]:
                 record = json.loads(text)
             except json.JSONDecodeError as error:
                 raise ValueError(f"{where}: invalid JSON ({error.msg} at column {error.colno}): "
-                                 f"{_clip(text.strip())!r}") from None
+                                 f"{text.strip()!r:.60}") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
             seen_any = True
@@ -114,8 +109,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
             os.fsync(handle.fileno())
         os.replace(temporary, path)
     finally:
-        if temporary.exists():
-            temporary.unlink()
+        temporary.unlink(missing_ok=True)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

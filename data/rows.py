@@ -49,9 +49,7 @@ def validate_row(row: Any, where: str) -> None:
     if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:  # else any JSON, as in verl
         raise ValueError(f"{where}: field 'reward_model' must be an object with a non-null 'ground_truth', "
                          f"got {describe(reward_model)}")
-    extra_info = row.get("extra_info")
-    if extra_info is None:
-        return
+    extra_info = {} if row.get("extra_info") is None else row["extra_info"]
     if not isinstance(extra_info, dict):
         raise ValueError(f"{where}: field 'extra_info' must be an object, got {describe(extra_info)}")
     index = extra_info.get("index", 0)

@@ -77,8 +77,6 @@ def generate_example(rng: random.Random, label: str) -> tuple[str, list[str], li
 
 def generate_rows(n: int, seed: int = 0, split: str = "train") -> list[dict]:
     """`n` rows, labels balanced (counts differ by at most one) in a seeded random order; same seed, same rows."""
-    if n < 1:
-        raise ValueError(f"n must be at least 1, got {n}")
     rng = random.Random(seed)
     labels = [LABELS[i % len(LABELS)] for i in range(n)]
     rng.shuffle(labels)
@@ -100,6 +98,8 @@ def main(argv: list[str] | None = None, generate=generate_rows, module: str = "d
     parser.add_argument("--split", default="train", help="written to extra_info.split")
     parser.add_argument("--out", required=True, help="output .jsonl or .parquet file")
     args = parser.parse_args(argv)
+    if args.n < 1:
+        raise ValueError(f"--n must be at least 1, got {args.n}")
     rows = generate(args.n, args.seed, args.split)
     write_rows(rows, Path(args.out))
     print(f"{args.out}: {len(rows)} rows (seed {args.seed})")

@@ -28,9 +28,7 @@ def convert_verifier(path: str | Path, template: str | None = None, *, split: st
     path = Path(path)
     rows = []
     for where, record in iter_jsonl(path):
-        question = require(record, "question", str, where)
-        gold_answer = require(record, "gold_answer", str, where)
-        llm_response = require(record, "llm_response", str, where)
+        fields = [require(record, key, str, where) for key in ("question", "gold_answer", "llm_response")]
         if "gold_judgment" not in record:
             raise ValueError(f"{where}: missing field 'gold_judgment'")
         try:
@@ -39,7 +37,7 @@ def convert_verifier(path: str | Path, template: str | None = None, *, split: st
             raise ValueError(f"{where}: field 'gold_judgment' is {record['gold_judgment']!r}; expected A, B, C, "
                              "true or false") from None
         extra = {"domain": require(record, "domain", str, where)} if "domain" in record else {}
-        prompt = verifier_prompt(question, gold_answer, llm_response, template)
+        prompt = verifier_prompt(*fields, template)
         rows.append(make_row([{"role": "user", "content": prompt}], data_source=DATA_SOURCE, ability=ABILITY,
                              ground_truth=judgment, index=len(rows), split=split, target=verifier_target(judgment),
                              judgment=judgment, correct=judgment == "A", **extra))

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.util
 import math
+import runpy
 from collections.abc import Callable
-from pathlib import Path
 
 from rewards.arithmetic import arithmetic_reward
 from rewards.factqa import factqa_corpus_reward
@@ -54,17 +53,12 @@ def load_function(name: str) -> Callable:
         raise ValueError("not registered")
     try:
         if module_name.endswith(".py"):
-            path = Path(module_name)
-            if not path.is_file():
-                raise ValueError(f"file {path} does not exist")
-            spec = importlib.util.spec_from_file_location(f"_nanogrpo_reward_{path.stem}", path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
+            namespace = runpy.run_path(module_name)
         else:
-            module = importlib.import_module(module_name)
-    except ImportError as error:
+            namespace = vars(importlib.import_module(module_name))
+    except (ImportError, OSError) as error:  # OSError: no such .py file
         raise ValueError(f"cannot import {module_name}: {error}") from None
-    function = getattr(module, attribute, None)
+    function = namespace.get(attribute)
     if not callable(function):
         raise ValueError(f"{module_name} has no function {attribute!r}")
     return function
@@ -98,16 +92,12 @@ def scoped_registry():
 
 def compute_score(data_source: str, solution_str: str, ground_truth: object,
                   extra_info: dict | None = None) -> float | dict:
-    """verl's entry point: the reward for data_source on one completion, checked by check_result."""
+    """verl's entry point: the reward for data_source on one completion, if it is a finite number (returned as a
+    float) or a dict with a finite "score" and sentence spans inside the completion; ValueError naming the reward
+    and the value otherwise."""
     if not isinstance(solution_str, str):
         raise TypeError(f"solution_str must be a str, got {type(solution_str).__name__}")
-    return check_result(data_source, solution_str,
-                        get_reward(data_source)(data_source, solution_str, ground_truth, extra_info))
-
-
-def check_result(data_source: str, solution_str: str, result: object) -> float | dict:
-    """A reward's result if it is a finite number (returned as a float) or a dict with a finite "score" and
-    sentence spans inside the completion; ValueError naming the reward and the value otherwise."""
+    result = get_reward(data_source)(data_source, solution_str, ground_truth, extra_info)
     score = result.get("score") if isinstance(result, dict) else result
     if not isinstance(score, (int, float)) or not math.isfinite(score):  # bool is an int: True scores 1
         raise ValueError(f"reward {data_source!r} returned {result!r:.200}: expected a finite number or a dict with "

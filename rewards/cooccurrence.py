@@ -47,11 +47,10 @@ class Clause(NamedTuple):
 def document_window_count(clauses: Sequence[Clause], window: int) -> int:
     """The "document" definition (module docstring). Only the nearest partner on each side of an anchor needs
     checking: documents being contiguous, a farther one is not in a nearer document."""
-    order = sorted(range(len(clauses)), key=lambda index: len(clauses[index].positions) * clauses[index].scale)
-    anchor_positions, anchor_documents, anchor_scale, _ = clauses[order[0]]
+    clauses = sorted(clauses, key=lambda clause: len(clause.positions) * clause.scale)
+    anchor_positions, anchor_documents, anchor_scale, _ = clauses[0]
     keep = np.ones(len(anchor_positions), dtype=bool)
-    for index in order[1:]:
-        positions, documents, _, _ = clauses[index]
+    for positions, documents, _, _ in clauses[1:]:
         right = np.searchsorted(positions, anchor_positions, side="left")  # first partner at or after the anchor
         left = right - 1
         has_left, has_right = left >= 0, right < len(positions)
@@ -67,12 +66,9 @@ def document_window_count(clauses: Sequence[Clause], window: int) -> int:
 def engine_window_count(clauses: Sequence[Clause], window: int, separators: np.ndarray) -> int:
     """The "engine" definition (module docstring), vectorised over the ranges. separators: [D] int64 sorted,
     each document's separator position; a range [l, r] is dropped when a separator s has l <= s < r."""
-    order = sorted(range(len(clauses)), key=lambda index: clauses[index].total)  # stable, like the engine's sort
-    left = clauses[order[0]].positions.copy()
-    right = left.copy()
-    scale = clauses[order[0]].scale
-    for index in order[1:]:
-        positions = clauses[index].positions
+    clauses = sorted(clauses, key=lambda clause: clause.total)  # stable, like the engine's sort
+    left, right, scale = clauses[0].positions.copy(), clauses[0].positions.copy(), clauses[0].scale
+    for positions, _, clause_scale, _ in clauses[1:]:
         before = np.searchsorted(positions, right, side="left") - 1  # the last occurrence < r
         after = np.searchsorted(positions, left, side="left")  # the first occurrence >= l
         has_before, has_after = before >= 0, after < len(positions)
@@ -83,7 +79,7 @@ def engine_window_count(clauses: Sequence[Clause], window: int, separators: np.n
         both, only_left, only_right = left_ok & right_ok, left_ok & ~right_ok, right_ok & ~left_ok
         left = np.concatenate([new_left[both], new_left[only_left], left[only_right]])
         right = np.concatenate([new_right[both], right[only_left], new_right[only_right]])
-        scale *= clauses[index].scale
+        scale *= clause_scale
     crossing = np.searchsorted(separators, right, side="left") > np.searchsorted(separators, left, side="left")
     return int(int((~crossing).sum()) * scale)
 
@@ -127,9 +123,8 @@ class ExternalTokenizer:
 
     PROBE = "The quick brown fox, 1903: Marie Curie's Nobel Prize."
 
-    def __init__(self, encode_fn: Callable[[str], list[int]], name: str = "external") -> None:
+    def __init__(self, encode_fn: Callable[[str], list[int]]) -> None:
         self.encode_fn = encode_fn
-        self.name = name
 
     def encode(self, text: str) -> list[int]:
         return [int(token) for token in self.encode_fn(text)]

@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import tempfile
-import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -34,9 +33,6 @@ from rewards.cooccurrence import SEMANTICS, Clause, CooccurrenceCounter, Externa
 
 META_FILE, VOCAB_FILE = "nanogrpo-index.json", "vocab.txt"
 FORMAT, VERSION = "nanogrpo-corpus-index", 2  # version 1: the "u16" layout, rare words capped
-ENGINE_FILES = ("tokenized.0", "offset.0", "table.0")
-# infini-gram's engine sorts its files by these substrings of their FULL path: an index under such a path is
-# built elsewhere and moved, and opened through a neutral symlink.
 _ENGINE_NAME_PARTS = ("tokenized", "table", "offset", "metadata", "metaoff")
 _ONE_CPU_BELOW_BYTES = 16 * 2**20  # infini-gram's builder panics with several jobs on a smaller corpus
 TOKEN_WIDTH = 2  # bytes per stored token
@@ -75,6 +71,22 @@ def stored_tokens(ids: np.ndarray, layout: str) -> np.ndarray:
 
 def _engine_safe(path: Path) -> bool:
     return not any(part in str(path.resolve()) for part in _ENGINE_NAME_PARTS)
+
+
+@contextlib.contextmanager
+def _engine_dir(path: Path) -> Iterator[Path]:
+    """The absolute index directory to hand infini-gram (its builder chdirs), or, when that full path holds one of
+    _ENGINE_NAME_PARTS (infini-gram sorts its files by those substrings), a symlink to it in a temporary directory
+    removed on leaving (the engine maps its files on opening)."""
+    if _engine_safe(path):
+        yield path.resolve()
+        return
+    with tempfile.TemporaryDirectory(prefix="nanogrpo-index-") as link_parent:
+        if not _engine_safe(Path(link_parent)):
+            raise ValueError(f"temporary directory {link_parent} contains one of {_ENGINE_NAME_PARTS}; set TMPDIR "
+                             "elsewhere")
+        (Path(link_parent) / "index").symlink_to(path.resolve(), target_is_directory=True)
+        yield Path(link_parent) / "index"
 
 
 def read_texts(input_path: Path, text_field: str = "text") -> Iterator[str]:
@@ -148,33 +160,24 @@ def build_index(input_path: str | os.PathLike, out_dir: str | os.PathLike, *, te
         raise ValueError(f"index directory {out_dir} exists and is not empty; choose a new --out")
     if encode_fn is None:
         tokenizer: WordTokenizer | ExternalTokenizer = WordTokenizer.fit(read_texts(input_path, text_field))
-        if len(tokenizer.vocabulary) > MAX_PAIR_ID:  # fails before anything is written
-            raise ValueError(f"{input_path} has {len(tokenizer.vocabulary):,} distinct words; the index holds at most "
-                             f"{MAX_PAIR_ID:,} (two 16-bit tokens per word id)")
     else:
-        tokenizer = ExternalTokenizer(encode_fn, tokenizer_name)
+        tokenizer = ExternalTokenizer(encode_fn)
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
-    work_dir = out_dir if _engine_safe(out_dir) else Path(tempfile.mkdtemp(prefix="nanogrpo-index-build-"))
     try:
-        lengths, largest = _encode_corpus(input_path, text_field, tokenizer, work_dir / "ids.tmp")
+        lengths, largest = _encode_corpus(input_path, text_field, tokenizer, out_dir / "ids.tmp")
         layout = choose_layout(largest, str(input_path))
-        data_bytes = _write_tokens(work_dir / "ids.tmp", lengths, layout, work_dir)
-        (work_dir / "ids.tmp").unlink()
-        _run_builder(work_dir, data_bytes, cpus)
+        data_bytes = _write_tokens(out_dir / "ids.tmp", lengths, layout, out_dir)
+        (out_dir / "ids.tmp").unlink()
+        with _engine_dir(out_dir) as engine_dir:
+            _run_builder(engine_dir, data_bytes, cpus)
         tokens = data_bytes // TOKEN_WIDTH
-        pointer_bytes = (work_dir / "table.0").stat().st_size // tokens
-        if work_dir != out_dir:
-            for name in ENGINE_FILES:
-                shutil.move(str(work_dir / name), str(out_dir / name))
+        pointer_bytes = (out_dir / "table.0").stat().st_size // tokens
     except BaseException:  # leave no half-built index behind (out_dir was absent or empty)
         shutil.rmtree(out_dir, ignore_errors=True)
         if not created:
             out_dir.mkdir()
         raise
-    finally:
-        if work_dir != out_dir:
-            shutil.rmtree(work_dir, ignore_errors=True)
     if isinstance(tokenizer, WordTokenizer):
         (out_dir / VOCAB_FILE).write_text("".join(word + "\n" for word in tokenizer.vocabulary), encoding="utf-8")
         tokenizer_meta: dict = {"kind": "word", "words": len(tokenizer.vocabulary)}
@@ -200,9 +203,8 @@ def check_index(path: Path) -> dict:
         raise ValueError(f"corpus index {path}: {META_FILE} is not a {FORMAT} version 1 or {VERSION} file{fix}")
     try:
         meta.setdefault("layout", "u16")  # version 1 had only this layout
-        if meta["token_dtype"] != "u16" or meta["layout"] not in TOKENS_PER_ID:
-            raise ValueError(f"token_dtype {meta['token_dtype']!r} / layout {meta['layout']!r} is not u16 / "
-                             f"one of {list(TOKENS_PER_ID)}")
+        if meta["layout"] not in TOKENS_PER_ID:  # each layout stores 16-bit tokens
+            raise ValueError(f"layout {meta['layout']!r} is not one of {list(TOKENS_PER_ID)}")
         tokens, data_bytes, documents, pointer_bytes = (
             int(meta[key]) for key in ("tokens", "data_bytes", "documents", "pointer_bytes"))
         expected = {"tokenized.0": data_bytes, "offset.0": 8 * documents, "table.0": tokens * pointer_bytes}
@@ -251,7 +253,7 @@ class CorpusIndex(CooccurrenceCounter):
             if encode_fn is None:
                 raise ValueError(f"corpus index {path} was built with tokenizer "
                                  f"{meta['tokenizer'].get('name')!r}: pass its encode_fn")
-            tokenizer = ExternalTokenizer(encode_fn, meta["tokenizer"].get("name", "external"))
+            tokenizer = ExternalTokenizer(encode_fn)
             if tokenizer.fingerprint() != meta["tokenizer"].get("fingerprint"):
                 raise ValueError(f"corpus index {path}: encode_fn is not the tokenizer the index was built with")
         super().__init__(tokenizer, cache_positions=cache_positions, semantics=semantics)
@@ -259,16 +261,8 @@ class CorpusIndex(CooccurrenceCounter):
 
         self.path, self.meta, self.max_clause_freq = path, meta, max_clause_freq
         self.layout, self.stride = meta["layout"], TOKENS_PER_ID[meta["layout"]]
-        engine_dir = path
-        if not _engine_safe(path):
-            link_parent = Path(tempfile.mkdtemp(prefix="nanogrpo-index-"))
-            weakref.finalize(self, shutil.rmtree, link_parent, ignore_errors=True)
-            engine_dir = link_parent / "index"
-            engine_dir.symlink_to(path.resolve(), target_is_directory=True)
-            if not _engine_safe(link_parent):
-                raise ValueError(f"temporary directory {link_parent} contains one of {_ENGINE_NAME_PARTS}; "
-                                 "set TMPDIR elsewhere")
-        self.engine = InfiniGramEngine(index_dir=str(engine_dir), eos_token_id=0, version=4, token_dtype="u16")
+        with _engine_dir(path) as engine_dir:
+            self.engine = InfiniGramEngine(index_dir=str(engine_dir), eos_token_id=0, version=4, token_dtype="u16")
         offsets = np.fromfile(path / "offset.0", dtype=np.uint64).astype(np.int64)
         self.document_starts = offsets // (TOKEN_WIDTH * self.stride)
 

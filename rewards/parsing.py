@@ -46,21 +46,13 @@ def _tag(name: str, closing: bool) -> re.Pattern:
     return re.compile(re.escape(f"</{name}>" if closing else f"<{name}>"), re.IGNORECASE)
 
 
-def find_block(text: str, name: str) -> tuple[int, int] | None:
-    """Character span of the content of the first `<name>...</name>` block, or None: the span of
-    `re.search(f"<{name}>(.*?)</{name}>", text, re.I | re.S)`'s group, found by two literal searches (the first
-    opening tag, then the first closing tag after it), linear where that regex is quadratic on unclosed tags."""
-    opening = _tag(name, closing=False).search(text)
-    if opening is None:
-        return None
-    closing = _tag(name, closing=True).search(text, opening.end())
-    return None if closing is None else (opening.end(), closing.start())
-
-
 def extract_block(text: str, name: str) -> str | None:
-    """The text of find_block's span (whitespace kept), or None."""
-    span = find_block(text, name)
-    return None if span is None else text[span[0]:span[1]]
+    """The content (whitespace kept) of the first `<name>...</name>` block, or None: the group of
+    `re.search(f"<{name}>(.*?)</{name}>", text, re.I | re.S)`, found by two literal searches (the first opening
+    tag, then the first closing tag after it), linear where that regex is quadratic on unclosed tags."""
+    opening = _tag(name, closing=False).search(text)
+    closing = None if opening is None else _tag(name, closing=True).search(text, opening.end())
+    return None if closing is None else text[opening.end():closing.start()]
 
 
 def scoring_regions(text: str) -> list[tuple[int, int]]:
@@ -100,11 +92,8 @@ def split_sentences(text: str) -> list[tuple[int, int]]:
 def think_answer_format(text: str) -> bool:
     """True for exactly `<think>T</think><answer>A</answer>`, each tag once (case-insensitive), only whitespace
     around and between the blocks, at least MIN_THINK_WORDS words in T and a non-empty A."""
-    for name in ("think", "answer"):
-        for closing in (False, True):
-            matches = _tag(name, closing).finditer(text)
-            if next(matches, None) is None or next(matches, None) is not None:
-                return False
+    if any(len(_tag(name, closing).findall(text)) != 1 for name in ("think", "answer") for closing in (False, True)):
+        return False
     match = _THINK_ANSWER.fullmatch(text)  # with every tag once, linear
     return match is not None and len(_WORD.findall(match.group(1))) >= MIN_THINK_WORDS and bool(match.group(2).strip())
 

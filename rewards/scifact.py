@@ -14,11 +14,8 @@ from rewards.parsing import bag_f1, extract_block, load_ground_truth, normalize_
 
 SUPPORTS, REFUTES, NOT_ENOUGH_INFO = "SUPPORTS", "REFUTES", "NOT_ENOUGH_INFO"
 LABELS = (SUPPORTS, REFUTES, NOT_ENOUGH_INFO)
-LABEL_ALIASES = {
-    "SUPPORT": SUPPORTS, "SUPPORTS": SUPPORTS, "SUPPORTED": SUPPORTS,
-    "REFUTE": REFUTES, "REFUTES": REFUTES, "REFUTED": REFUTES, "CONTRADICT": REFUTES, "CONTRADICTS": REFUTES,
-    "NOT_ENOUGH_INFO": NOT_ENOUGH_INFO, "NEI": NOT_ENOUGH_INFO,
-}
+LABEL_ALIASES = {"SUPPORT": SUPPORTS, "SUPPORTED": SUPPORTS, "REFUTE": REFUTES, "REFUTED": REFUTES,
+                 "CONTRADICT": REFUTES, "CONTRADICTS": REFUTES, "NEI": NOT_ENOUGH_INFO}  # a label maps to itself
 ANSWER_KEYS = ("answer", "label", "target")
 EVIDENCE_KEYS = ("evidence", "evidences", "gold_evidence")
 MAX_CONCISE_ITEMS = 5
@@ -88,8 +85,7 @@ def evidence_score(items: list[str], gold: tuple[Counter, ...]) -> float:
     """Mean over predicted items of the best token F1 against any gold item; 0 if either side is empty."""
     if not items or not gold:
         return 0.0
-    bags = map(token_bag, items)
-    return sum(max(bag_f1(bag, gold_bag) for gold_bag in gold) for bag in bags) / len(items)
+    return sum(max(bag_f1(bag, gold_bag) for gold_bag in gold) for bag in map(token_bag, items)) / len(items)
 
 
 def completion_parts(solution_str: str) -> tuple[str | None, list[str], float, float]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from importlib import resources
+from typing import NamedTuple
 
 PRONOUNS = frozenset(
     "i me my mine myself you your yours yourself yourselves he him his himself she her hers herself it its itself "
@@ -35,8 +35,7 @@ _MAX_SIDE_WORDS = 3
 _MAX_PART_CHARS = 120
 
 
-@dataclass(frozen=True)
-class Triple:
+class Triple(NamedTuple):
     head: str
     relation: str
     tail: str

@@ -66,19 +66,13 @@ def parse_judgment(text: str) -> str | None:
     """"A", "B", "C" or None, tried in order: the last `\\boxed{X}` (`\\text{A}`, `(A)`, `A: ...` accepted);
     else the letter right after the last "Final Judgment:"; else the last xVerify `[Correct]`/`[Incorrect]`.
     A letter alone is no judgment."""
-    span = last_boxed_span(text)
-    if span is not None:
+    if (span := last_boxed_span(text)) is not None:
         cleaned = _LATEX_COMMAND.sub("", text[span[0]:span[1]]).replace("{", "").replace("}", "").strip()
-        letter = _BOXED_LETTER.match(cleaned)
-        if letter is not None:
+        if letter := _BOXED_LETTER.match(cleaned):
             return letter.group(1)
-    marker = last_match(FINAL_JUDGMENT, text)
-    if marker is not None:
-        bare = _BARE_LETTER.match(text, marker.end())
-        if bare is not None:
-            return bare.group(1)
-    last_tag = last_match(_XVERIFY, text)
-    if last_tag is not None:
+    if (marker := last_match(FINAL_JUDGMENT, text)) and (bare := _BARE_LETTER.match(text, marker.end())):
+        return bare.group(1)
+    if last_tag := last_match(_XVERIFY, text):
         return "A" if last_tag.group(1).lower() == "correct" else "B"
     return None
 

@@ -178,6 +178,7 @@ def test_engine_path_quirk_and_working_directory(tmp_path, tiny_index):
     normal, odd = CorpusIndex(tiny_index), CorpusIndex(quirky)
     for head, tail in [(["Paris"], ["France"]), (["Curie"], ["Paris"]), (["Nobel"], ["Physics"])]:
         assert odd.count_cooccurrence(head, tail, 3) == normal.count_cooccurrence(head, tail, 3) > 0
+    assert len(list(quirky.iterdir())) == 5  # removing the neutral link left the index itself alone
 
 
 def test_builder_failure_becomes_runtime_error_and_cleans_up(tmp_path):
@@ -287,9 +288,10 @@ def test_layout_by_largest_id():
 
 
 def test_more_distinct_words_than_the_index_holds_fail_naming_the_number(tmp_path, monkeypatch):
-    # a billion distinct words cannot be made in a test: the limit is lowered to 3 instead
+    # a billion distinct words cannot be made in a test: the limits are lowered instead (word ids 1..4)
+    monkeypatch.setattr("rewards.corpus.MAX_SINGLE_ID", 1)
     monkeypatch.setattr("rewards.corpus.MAX_PAIR_ID", 3)
-    with pytest.raises(ValueError, match="has 4 distinct words; the index holds at most 3"):
+    with pytest.raises(ValueError, match="c.jsonl has token id 4, beyond the largest id the index stores, 3 "):
         build_index(write_jsonl(tmp_path / "c.jsonl", ["a b", "c d"]), tmp_path / "index")
     assert not (tmp_path / "index").exists()
 
@@ -341,8 +343,9 @@ def test_small_vocabulary_keeps_one_token_per_word(tmp_path):
 def test_cli_build_and_count(tmp_path):
     corpus = write_jsonl(tmp_path / "c.jsonl", TINY)
     environment = {**os.environ, "PYTHONPATH": str(ROOT)}
-    build = subprocess.run([sys.executable, "-m", "rewards.corpus", "build", "--input", str(corpus), "--out",
-                            str(tmp_path / "index")], capture_output=True, text=True, env=environment, timeout=120)
+    # a relative --out: the builder chdirs, so it must be handed the absolute path
+    build = subprocess.run([sys.executable, "-m", "rewards.corpus", "build", "--input", str(corpus), "--out", "index"],
+                           cwd=tmp_path, capture_output=True, text=True, env=environment, timeout=120)
     assert build.returncode == 0, build.stderr
     assert "4 documents" in build.stdout
     count = subprocess.run([sys.executable, "-m", "rewards.corpus", "count", "--index", str(tmp_path / "index"),

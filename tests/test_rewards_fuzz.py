@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from memory_counter import MemoryCounter
 from rewards import compute_score
 from rewards.factqa import COUNT_REWARDS, make_factqa_reward
-from rewards.parsing import find_block, normalize_text, scoring_regions, split_sentences, token_f1
+from rewards.parsing import extract_block, normalize_text, scoring_regions, split_sentences, token_f1
 from rewards.triples import PRONOUNS, RuleTripleExtractor, parse_triple
 from rewards.verifier import parse_judgment
 
@@ -50,9 +50,9 @@ def test_sentence_spans(text):
 
 @FUZZ
 @given(completions, st.sampled_from(["answer", "evidence", "think"]))
-def test_find_block_matches_regex(text, name):
+def test_extract_block_matches_regex(text, name):
     match = re.search(f"<{name}>(.*?)</{name}>", text, re.IGNORECASE | re.DOTALL)
-    assert find_block(text, name) == (match.span(1) if match else None)
+    assert extract_block(text, name) == (match.group(1) if match else None)
 
 
 @FUZZ

@@ -5,7 +5,6 @@ import pytest
 
 from rewards.parsing import (
     extract_block,
-    find_block,
     load_ground_truth,
     normalize_text,
     scoring_regions,
@@ -48,9 +47,9 @@ def test_token_f1(prediction, gold, expected):
     "<answer>unclosed", "</answer><answer>y</answer>", "<answer></answer>", "no tags", "",
     "<answer>a</answer><answer>b</answer>", "<answer>" * 5 + "</answer>",
 ])
-def test_find_block_equals_the_specified_regex(text):
+def test_extract_block_equals_the_specified_regex(text):
     match = re.search(r"<answer>(.*?)</answer>", text, re.IGNORECASE | re.DOTALL)
-    assert find_block(text, "answer") == (match.span(1) if match else None)
+    assert extract_block(text, "answer") == (match.group(1) if match else None)
 
 
 def test_extract_block_returns_raw_content():
