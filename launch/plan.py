@@ -61,11 +61,9 @@ def precision(cfg: Config, target: Target) -> dict:
     """The dtypes of every path: the policy's master weights (model.dtype), compute (model.param_dtype) and float32
     gradients; a frozen reference or distillation teacher needs no master copy (stored in the compute dtype);
     logits are float32."""
-    compute, mechanism = cfg.model.param_dtype, "none"
-    if target.sharded:
-        mechanism = "FSDP2 MixedPrecisionPolicy"
-    elif compute != cfg.model.dtype:
-        mechanism = "torch.autocast"
+    compute = cfg.model.param_dtype
+    mechanism = ("FSDP2 MixedPrecisionPolicy" if target.sharded else "torch.autocast" if compute != cfg.model.dtype
+                 else "none")
     policy = {"param": cfg.model.dtype, "compute": compute, "reduce": "float32", "mechanism": mechanism}
     frozen, reference = {"param": compute, "compute": compute, "reduce": None, "mechanism": "none"}, None
     if cfg.stage == "rl" and cfg.algorithm.kl_coef > 0:

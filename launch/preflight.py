@@ -86,7 +86,8 @@ def _check_environment(cfg: Config) -> None:
         try:
             load_index(cfg.rollout.search_index)
         except (OSError, ValueError) as error:
-            raise ConfigError(f"rollout.search_index: {error}") from None
+            raise ConfigError(f"rollout.search_index: not a search index ({error}); `python -m data.scifact --search "
+                              f"--out DIR` builds one in DIR/search_index") from None
     if cfg.trainer.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ConfigError(f"trainer.wandb_project={cfg.trainer.wandb_project} needs Weights & Biases: pip install "
                           f"wandb (or set trainer.wandb_project=null)")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
 
 from data.scifact import load_corpus
 
@@ -16,7 +15,7 @@ INDEX_ENV = "NANOGRPO_SEARCH_INDEX"  # set from rollout.search_index (launch/bui
 TOP_K = 3  # sentences per search: each costs context tokens in every later turn
 
 
-def build_index(corpus_path: str | Path, out: str | Path) -> int:
+def build_index(corpus_path: str | os.PathLike, out: str | os.PathLike) -> int:
     """Index every abstract sentence of corpus.jsonl ({"doc_id", "title", "abstract": [sentence, ...]}) into `out`;
     returns the number of sentences."""
     import bm25s
@@ -33,12 +32,9 @@ def build_index(corpus_path: str | Path, out: str | Path) -> int:
 
 @functools.cache
 def load_index(path: str):
-    """The bm25s retriever saved in `path`, loaded once per process."""
+    """The bm25s retriever saved in `path`, loaded once per process (FileNotFoundError naming a missing file)."""
     import bm25s
 
-    if not (Path(path) / "params.index.json").is_file():
-        raise FileNotFoundError(f"{path!r}: not a search index (`python -m data.scifact --search --out DIR` builds "
-                                f"one in DIR/search_index)")
     return bm25s.BM25.load(path, load_corpus=True)
 
 
