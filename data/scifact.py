@@ -35,7 +35,6 @@ LABEL
 For NOT_ENOUGH_INFO leave the evidence empty."""
 
 
-# veriseek_search.yaml: the claim alone; the model finds its evidence with the search tool (rollout/search.py).
 SEARCH_INSTRUCTIONS = ("Search the scientific corpus for evidence: write <tool_call>{\"name\": \"search\", "
                        "\"arguments\": {\"query\": \"...\"}}</tool_call> and read the sentences it returns. "
                        + INSTRUCTIONS.replace("Does the text support", "Then, does what you found support"))

@@ -240,7 +240,6 @@ class AlgorithmConfig(Section):
     kl_coef: float = bounded(0.0, 0)
     """Weight of the KL penalty to the frozen reference model; 0: no reference model at all."""
     kl_kind: str = choice("k3", KL_KINDS)
-    """k1, abs, k2 or k3."""
     kl_in_reward: bool = False
     """verl's use_kl_in_reward: kl_coef * the summed token KL leaves the loss and is taken off the reward."""
     ppo_epochs: int = bounded(1, 1)
@@ -268,7 +267,6 @@ class AlgorithmConfig(Section):
     tis_cap: float | None = bounded(None, 0, low_open=True)
     """Truncated IS for the rollout/trainer mismatch: weights min(exp(old - rollout), cap); null is off."""
     tis_level: str = choice("token", ("token", "sequence"))
-    """token or sequence."""
     teacher: str | None = None
     """On-policy distillation: the teacher (model path or checkpoint, the student's tokenizer); null is off."""
     distill_coef: float = bounded(1.0, 0)

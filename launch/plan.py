@@ -109,9 +109,8 @@ def engine_cycle(cfg: Config, target: Target) -> list[str]:
     """One RL step's engine calls in order ("train" is the trainer's logprob passes and update)."""
     if cfg.rollout.engine == "vllm":
         return list(CUDA_VLLM_CYCLE if target.device == "cuda" else CPU_VLLM_CYCLE)
-    if own_engine_copy(cfg, target):
-        return ["generate", "train", "update_weights"]
-    return ["generate", "train"]  # the engine generates with the policy module itself
+    # Without a model of its own, the engine generates with the policy module itself: nothing to update.
+    return ["generate", "train", "update_weights"] if own_engine_copy(cfg, target) else ["generate", "train"]
 
 
 def own_engine_copy(cfg: Config, target: Target) -> bool:

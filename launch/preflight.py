@@ -21,13 +21,14 @@ from launch.plan import Target, check_plan, run_plan
 from models import load_tokenizer, render_prompt, resolve_model_dir
 from models.checkpoint import check_files, complete_checkpoints
 from rewards.corpus import check_index
-from rollout.search import load_index
 from rollout.tools import sft_target, tool_schemas
 from rollout.vllm_engine import check_vllm_version
 
 # The command that makes each input the shipped recipes name (first match by path), for a missing file's message.
 MAKERS = (("runs/demo/", "make demo"),
           ("data_out/scifact/", "python -m data.scifact --input SCIFACT_DIR --out data_out/scifact"),
+          ("data_out/scifact_search/",
+           "python -m data.scifact --input SCIFACT_DIR --out data_out/scifact_search --search"),
           ("data_out/verifier/sft", "python -m launch.distill --teacher MODEL --input judgments.jsonl --out {path}"),
           ("data_out/verifier/", "python -m data.verifier --input judgments.jsonl --out {path}"),
           ("data_out/factqa/", "python -m data.factqa convert --input QA_FILE --out {path}"),
@@ -82,12 +83,8 @@ def _check_environment(cfg: Config) -> None:
             check_index(index)
         except (OSError, ValueError) as error:
             raise ConfigError(f"reward.corpus_index: {error}") from None
-    if cfg.rollout.search_index is not None:  # loaded here: a bad index fails now, not at the first search
-        try:
-            load_index(cfg.rollout.search_index)
-        except (OSError, ValueError) as error:
-            raise ConfigError(f"rollout.search_index: not a search index ({error}); `python -m data.scifact --search "
-                              f"--out DIR` builds one in DIR/search_index") from None
+    if cfg.rollout.search_index and not (Path(cfg.rollout.search_index) / "params.index.json").is_file():
+        raise _not_found("rollout.search_index", "search index (params.index.json)", cfg.rollout.search_index)
     if cfg.trainer.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ConfigError(f"trainer.wandb_project={cfg.trainer.wandb_project} needs Weights & Biases: pip install "
                           f"wandb (or set trainer.wandb_project=null)")

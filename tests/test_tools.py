@@ -2,6 +2,8 @@
 tool failures as messages, the token layout of tool messages and SFT targets, tool tokens out of the loss, and a
 short tool run end to end. The engines' exact-ids test is in test_rollout_engines.py (both engines)."""
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -273,6 +275,10 @@ def test_search_returns_corpus_sentences_with_their_ids(scifact_search, shared_d
     hits = search(document["abstract"][1]).splitlines()
     assert len(hits) == TOP_K and hits[0] == f"[doc {doc_id}, sentence 1] {' '.join(document['abstract'][1].split())}"
     assert search("the of and") == "no results: the query has no searchable words"
+    # Without numba: once llvmlite is imported, vLLM's CPU start-up fails in the same process.
+    code = "import sys, rollout.search as s; s._bm25s(); assert 'bm25s' in sys.modules and 'llvmlite' not in " \
+           "sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
     rows = [json.loads(line) for line in (scifact_search / "train.jsonl").read_text().splitlines()]
     prompt = rows[0]["prompt"][0]["content"]
     claim = prompt.splitlines()[0].removeprefix("Claim: ")
@@ -298,7 +304,8 @@ def test_veriseek_search_recipe_checks_on_both_targets(scifact_search, tiny_mode
     from launch.train import main
 
     recipe = Path(__file__).resolve().parents[1] / "launch" / "configs" / "veriseek_search.yaml"
-    data = [f"data.train_files=['{scifact_search / 'train.jsonl'}']", f"data.eval_files=['{scifact_search / 'dev.jsonl'}']",
+    data = [f"data.train_files=['{scifact_search / 'train.jsonl'}']",
+            f"data.eval_files=['{scifact_search / 'dev.jsonl'}']",
             f"rollout.search_index={scifact_search / 'search_index'}", f"trainer.out_dir={tmp_path}"]
     qwen = Path(__file__).resolve().parent / "data" / "models" / "qwen3-4b" / "config.json"
     assert main(["--config", str(recipe), "--dry-run", "--device", "cuda", "--world-size", "2", "--gpu-memory-gib",
